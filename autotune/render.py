@@ -1,0 +1,108 @@
+"""Render templates/ into standalone Python modules (Triton kernels plus their launcher) and load them.
+
+A module holds a table of variants; the tuner renders one-variant modules, the emitter the best
+variant of every case. Both go through `render_module`, so what is timed is what is shipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import jinja2
+
+from .space import Variant
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+    undefined=jinja2.StrictUndefined,
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a module's variant table: `v` serves T <= max_tokens."""
+
+    max_tokens: float
+    v: Variant
+
+
+def _gemm1_form(dispatch: str, activation: str) -> dict:
+    gather, swiglu = dispatch == "fused", activation == "fused"
+    rows = "gathers token rows through sorted_slots" if gather else "reads rows already in expert order"
+    epilogue = ("applies SwiGLU in the epilogue and writes h [M, I]" if swiglu
+                else "writes gate and up [M, 2I] for the activation kernel")
+    return {
+        "name": f"_gemm1_{'gather' if gather else 'grouped'}_{'swiglu' if swiglu else 'gate_up'}",
+        "gather": gather, "swiglu": swiglu, "dispatch": dispatch, "activation": activation,
+        "rows": rows, "epilogue": epilogue,
+    }
+
+
+def render_module(rows: list[Row], title: str, header: list[str]) -> str:
+    """Source of a module that serves each row's token range with its variant."""
+    if not rows:
+        raise ValueError("a module needs at least one variant")
+    rows = sorted(rows, key=lambda r: r.max_tokens)
+    forms = sorted({(r.v.dispatch, r.v.activation) for r in rows})
+    return _ENV.get_template("module.py.j2").render(
+        title=title,
+        header=header,
+        rows=[Row("float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens), r.v) for r in rows],
+        gemm_keys=GEMM_KEYS,
+        gemm1_forms=[_gemm1_form(*f) for f in forms],
+        split_dispatch=any(r.v.dispatch == "split" for r in rows),
+        split_activation=any(r.v.activation == "split" for r in rows),
+    )
+
+
+def render_variant(v: Variant) -> str:
+    """The one-variant module the tuner times."""
+    return render_module([Row(math.inf, v)], "moe-tune trial module: one variant, rendered for timing.",
+                         [f"Variant: {v.label}"])
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def module_cache_dir() -> Path:
+    """Rendered trial modules live here (Triton reads kernel source from files)."""
+    root = os.environ.get("MOE_TUNE_CACHE") or Path.home() / ".cache" / "moe-tune"
+    path = Path(root) / "modules"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_source(source: str) -> ModuleType:
+    """Write `source` under its hash (once) and import it as a fresh module."""
+    name = f"moe_tune_variant_{source_hash(source)}"
+    path = module_cache_dir() / f"{name}.py"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        tmp.replace(path)
+    return load_path(path, name)
+
+
+def load_path(path: Path | str, name: str | None = None) -> ModuleType:
+    """Import a module file (an emitted or a trial module) by path."""
+    path = Path(path)
+    name = name or f"moe_tune_loaded_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

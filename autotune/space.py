@@ -1,0 +1,157 @@
+"""The variant space: every tunable parameter declared once, with what it is for and its constraints.
+
+The Optuna sampler, the pruning rules, the database rows and `moe-tune show` all read `PARAMS`.
+A `Variant` is one point of the space: the structure of the pipeline (which kernels run) plus the
+compile-time constants of each kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from . import target
+from .workloads import Case
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    choices: tuple
+    doc: str
+
+
+PARAMS: tuple[Param, ...] = (
+    Param("dispatch", ("fused", "split"),
+          "fused: GEMM1 gathers token rows through the sorted indices; split: a permutation kernel first "
+          "writes the rows expert-contiguous so GEMM1 reads a plain grouped layout"),
+    Param("activation", ("fused", "split"),
+          "fused: SiLU(gate)*up in GEMM1's epilogue, which writes [M, I]; split: GEMM1 writes [M, 2I] and "
+          "an activation kernel reduces it"),
+    Param("block_m", (16, 32, 64, 128),
+          "rows of a tile; each expert's rows are padded to it, so both GEMMs share it"),
+    Param("g1_block_n", (32, 64, 128, 256), "GEMM1 output columns per tile (of I when fused, of 2I when split)"),
+    Param("g1_block_k", (32, 64, 128, 256), "GEMM1 reduction step over H"),
+    Param("g1_group_m", (1, 4, 8, 16), "GEMM1 tile swizzle: row tiles visited together so weight tiles stay in L2"),
+    Param("g1_num_warps", (4, 8), "GEMM1 warps per program"),
+    Param("g1_num_stages", (2, 3, 4, 5), "GEMM1 software-pipeline depth (shared-memory buffers)"),
+    Param("g2_block_n", (32, 64, 128, 256), "GEMM2 output columns per tile (of H)"),
+    Param("g2_block_k", (32, 64, 128, 256), "GEMM2 reduction step over I"),
+    Param("g2_group_m", (1, 4, 8, 16), "GEMM2 tile swizzle"),
+    Param("g2_num_warps", (4, 8), "GEMM2 warps per program"),
+    Param("g2_num_stages", (2, 3, 4, 5), "GEMM2 software-pipeline depth"),
+)
+
+PARAM_BY_NAME = {p.name: p for p in PARAMS}
+
+# A tile's fp32 accumulators above this many per thread spill registers (255 is the hardware cap,
+# and the loads in flight need the rest).
+MAX_ACC_PER_THREAD = 128
+
+
+@dataclass(frozen=True)
+class Variant:
+    dispatch: str
+    activation: str
+    block_m: int
+    g1_block_n: int
+    g1_block_k: int
+    g1_group_m: int
+    g1_num_warps: int
+    g1_num_stages: int
+    g2_block_n: int
+    g2_block_k: int
+    g2_group_m: int
+    g2_num_warps: int
+    g2_num_stages: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Variant:
+        names = {f.name for f in fields(cls)}
+        missing = names - d.keys()
+        if missing:
+            raise ValueError(f"variant is missing {sorted(missing)}")
+        return cls(**{n: d[n] for n in names})
+
+    def gemm(self, which: int) -> dict:
+        """The constants of GEMM `which` (1 or 2) under their kernel names."""
+        p = f"g{which}_"
+        return {
+            "BLOCK_N": getattr(self, p + "block_n"), "BLOCK_K": getattr(self, p + "block_k"),
+            "GROUP_M": getattr(self, p + "group_m"), "num_warps": getattr(self, p + "num_warps"),
+            "num_stages": getattr(self, p + "num_stages"),
+        }
+
+    @property
+    def label(self) -> str:
+        g1, g2 = self.gemm(1), self.gemm(2)
+        return (f"{self.dispatch}/{self.activation} M{self.block_m} "
+                f"g1 {g1['BLOCK_N']}x{g1['BLOCK_K']} G{g1['GROUP_M']} w{g1['num_warps']} s{g1['num_stages']} "
+                f"g2 {g2['BLOCK_N']}x{g2['BLOCK_K']} G{g2['GROUP_M']} w{g2['num_warps']} s{g2['num_stages']}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _gemm_smem(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: int, elem: int) -> int:
+    """Shared memory of a pipelined GEMM: `stages` copies of the A tile and the B tiles."""
+    return stages * (block_m * block_k + b_tiles * block_n * block_k) * elem
+
+
+def violations(v: Variant, case: Case) -> list[str]:
+    """Why `v` cannot run `case` (empty when it can): checked before anything compiles."""
+    s = case.shape
+    bad = []
+    smem = target.smem_bytes()
+    fused_act = v.activation == "fused"
+    gemms = (
+        # (name, N, K, B tiles per step)
+        (1, s.I if fused_act else 2 * s.I, s.H, 2 if fused_act else 1),
+        (2, s.H, s.I, 1),
+    )
+    for which, n, k, b_tiles in gemms:
+        g = v.gemm(which)
+        if g["BLOCK_K"] > max(16, _next_pow2(k)):
+            bad.append(f"g{which}_block_k={g['BLOCK_K']} exceeds K={k}")
+        if g["BLOCK_N"] > max(16, _next_pow2(n)):
+            bad.append(f"g{which}_block_n={g['BLOCK_N']} exceeds N={n}")
+        need = _gemm_smem(v.block_m, g["BLOCK_N"], g["BLOCK_K"], g["num_stages"], b_tiles, s.elem_bytes)
+        if need > smem:
+            bad.append(f"GEMM{which} needs {need // 1024} KB shared memory > {smem // 1024} KB")
+        acc = b_tiles * v.block_m * g["BLOCK_N"] // (32 * g["num_warps"])
+        if acc > MAX_ACC_PER_THREAD:
+            bad.append(f"GEMM{which} holds {acc} accumulators per thread > {MAX_ACC_PER_THREAD}")
+    return bad
+
+
+def suggest(trial) -> Variant:
+    """Ask an Optuna trial for one value of every parameter (define-by-run, no conditions yet)."""
+    return Variant(**{p.name: trial.suggest_categorical(p.name, p.choices) for p in PARAMS})
+
+
+def starting_points(case: Case) -> list[Variant]:
+    """Hand-picked variants tried first in a new study, so a short budget starts from sane ground.
+
+    Small T streams weights: narrow row tiles, many column tiles, deep pipelines. Large T is
+    compute-bound: 128-row tiles and wide columns. These are only seeds; the sampler moves on.
+    """
+    rows_per_expert = case.T * case.shape.k / case.shape.E
+    if rows_per_expert <= 16:
+        picks = [
+            Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4),
+            Variant("fused", "fused", 16, 32, 256, 1, 4, 3, 32, 256, 1, 4, 3),
+        ]
+    elif rows_per_expert <= 64:
+        picks = [
+            Variant("fused", "fused", 32, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4),
+            Variant("fused", "fused", 64, 64, 64, 8, 4, 4, 128, 64, 8, 4, 4),
+        ]
+    else:
+        picks = [
+            Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3),
+            Variant("fused", "fused", 64, 128, 64, 8, 4, 4, 128, 64, 8, 4, 4),
+        ]
+    return [v for v in picks if not violations(v, case)]

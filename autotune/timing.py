@@ -1,0 +1,101 @@
+"""The one timing path: the tuner, `moe-tune bench` and every script measure through `time_fn`.
+
+On the GPU, `inner` calls are captured in one CUDA graph and each replay is timed with device
+events, so launch gaps between the pipeline's kernels do not hide (or inflate) kernel time; the
+result is the per-call median over `reps` replays. Under the interpreter, wall-clock time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import target
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    mean_ms: float
+    std_ms: float
+    reps: int
+    method: str  # "cuda-graph", "cuda-events" or "wall-clock"
+    samples_ms: tuple[float, ...]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _summary(samples: list[float], method: str) -> Timing:
+    ordered = sorted(samples)
+    n = len(ordered)
+    return Timing(
+        median_ms=statistics.median(ordered),
+        p10_ms=ordered[int(0.1 * (n - 1))],
+        p90_ms=ordered[int(0.9 * (n - 1))],
+        mean_ms=statistics.fmean(ordered),
+        std_ms=statistics.pstdev(ordered),
+        reps=n,
+        method=method,
+        samples_ms=tuple(round(s, 6) for s in samples),
+    )
+
+
+def _inner_count(single_ms: float, target_ms: float = 2.0, cap: int = 32) -> int:
+    """Calls per graph replay: enough that one replay lasts ~target_ms, so event jitter is small."""
+    return max(1, min(cap, int(target_ms / max(single_ms, 1e-3))))
+
+
+def time_fn(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3, graph: bool = True) -> Timing:
+    """Median time of one `fn()` call. `fn` must not synchronise the host when `graph` is set."""
+    if not target.has_gpu():
+        for _ in range(warmup):
+            fn()
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return _summary(samples, "wall-clock")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    inner = _inner_count(start.elapsed_time(end))
+
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(inner):
+                fn()
+        g.replay()
+        run, method = g.replay, "cuda-graph"
+    else:
+        def run():
+            for _ in range(inner):
+                fn()
+        run()
+        method = "cuda-events"
+    torch.cuda.synchronize()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in pairs:
+        a.record()
+        run()
+        b.record()
+    torch.cuda.synchronize()
+    samples = [a.elapsed_time(b) / inner for a, b in pairs]
+    return _summary(samples, method)
