@@ -1,0 +1,227 @@
+"""`moe-tune`: tune, emit, bench, show, check. Thin: parse, call, print."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _cases(args):
+    from . import workloads
+
+    if args.shape:
+        shape = workloads.parse_shape(args.shape, args.dtype)
+        tokens = workloads.parse_tokens(args.tokens) if args.tokens else workloads.SEED16_TOKENS
+    elif _gpu():
+        shape, tokens = workloads.SEED16_SHAPE, workloads.SEED16_TOKENS
+        if args.tokens:
+            tokens = workloads.parse_tokens(args.tokens)
+    else:
+        shape, tokens = workloads.DEMO_SHAPE, workloads.DEMO_TOKENS
+        if args.tokens:
+            tokens = workloads.parse_tokens(args.tokens)
+    if not _gpu() and shape.dtype == "bfloat16":
+        raise SystemExit("error: bf16 cannot run here: triton's interpreter returns garbage for bf16 tl.dot; "
+                         "pass --dtype float16 (or float32) on a machine without a GPU")
+    return workloads.suite(shape, tokens, args.routing)
+
+
+def _gpu() -> bool:
+    from . import target
+
+    return target.has_gpu()
+
+
+def _url(args) -> str:
+    from . import db
+
+    return args.db or db.default_url(_gpu())
+
+
+def _announce_cpu(what: str) -> None:
+    if not _gpu():
+        print(f"No CUDA GPU here: {what} runs through the Triton interpreter on the CPU (a small fp16 demo "
+              "unless --shape says otherwise); timings are interpreter wall-clock, not GPU figures.",
+              file=sys.stderr, flush=True)
+
+
+def cmd_tune(args) -> int:
+    from .tuner import TuneConfig, tune
+
+    cases = _cases(args)
+    _announce_cpu("tuning")
+    cfg = TuneConfig(storage_url=_url(args), trials=args.trials, time_budget_s=args.time_budget,
+                     seed=args.seed, isolate=not args.in_process, reps=args.reps,
+                     timeout_s=args.timeout, command=" ".join(sys.argv))
+    best = tune(cases, cfg)
+    for key, ms in best.items():
+        print(f"{key}: best {ms:.4f} ms")
+    return 0
+
+
+def cmd_emit(args) -> int:
+    from sqlalchemy.orm import Session
+
+    from . import db, emit, target
+
+    cases = _cases(args)
+    with Session(db.connect(_url(args))) as session:
+        path = emit.emit(session, args.fingerprint or target.fingerprint().key, cases, args.name,
+                         Path(args.out_dir) if args.out_dir else emit.OUT_DIR)
+    print(path)
+    return 0
+
+
+def _module_path(args, cases) -> Path:
+    from . import emit, target
+
+    if args.module:
+        return Path(args.module)
+    return emit.OUT_DIR / f"{emit.default_name(target.fingerprint().key, cases[0].shape.key)}.py"
+
+
+def cmd_check(args) -> int:
+    from . import render, target
+    from .reference import BAR, error_stats, moe_reference
+    from .workloads import make_tokens, make_weights
+
+    cases = _cases(args)
+    _announce_cpu("the check")
+    path = _module_path(args, cases)
+    module = render.load_path(path)
+    dev = target.device()
+    w13, w2 = make_weights(cases[0].shape, dev, seed=11)
+    failed = 0
+    for case in cases:
+        x, w, ids = make_tokens(case, dev, seed_offset=101)
+        stats = error_stats(module.fused_experts(x, w13, w2, w, ids), moe_reference(x, w13, w2, w, ids))
+        bad = stats.failures(BAR)
+        failed += bool(bad)
+        print(f"T={case.T:<6} rel L2 {stats.global_rel_l2:.2e}  worst token {stats.worst_token_rel_l2:.2e}  "
+              f"{'FAIL: ' + '; '.join(bad) if bad else 'ok'}")
+    print(f"{path}: {len(cases) - failed} of {len(cases)} cases pass the bar")
+    return 1 if failed else 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench, render
+
+    cases = _cases(args)
+    _announce_cpu("the benchmark")
+    path = _module_path(args, cases)
+    module = render.load_path(path)
+    result = bench.run_bench(module.fused_experts, cases, peers=not args.no_peers)
+    result["module"] = str(path)
+    print(bench.format_table(result))
+    json_path = Path(args.json) if args.json else path.with_suffix(".bench.json")
+    bench.write_json(result, json_path)
+    print(f"wrote {json_path}")
+    if args.png:
+        try:
+            bench.write_png(result, Path(args.png))
+            print(f"wrote {args.png}")
+        except RuntimeError as exc:
+            print(f"no plot: {exc}", file=sys.stderr)
+    return 0
+
+
+def cmd_show(args) -> int:
+    from sqlalchemy.orm import Session
+
+    from . import db
+
+    with Session(db.connect(_url(args))) as session:
+        fps = db.fingerprints(session)
+        if not fps:
+            print("the database holds no runs yet")
+            return 0
+        for fp in fps:
+            print(f"== {fp}")
+            best = db.best_trials(session, fp)
+            rows = sorted(best.values(), key=lambda t: (t.case["shape"]["E"], t.case["T"]))
+            print(f"{'case':<52} {'ms':>9} {'%SOL':>6} {'err':>8}  variant")
+            for t in rows:
+                sol = f"{100 * t.floor_ms / t.median_ms:5.1f}%" if t.floor_ms else "   n/a"
+                print(f"{t.case_key:<52} {t.median_ms:9.4f} {sol} {t.global_rel_l2:8.1e}  {t.label}")
+        if args.history:
+            print(f"== last {args.history} trials" + (f" of {args.case_key}" if args.case_key else ""))
+            for t in db.history(session, args.case_key, args.history):
+                ms = f"{t.median_ms:.4f} ms" if t.median_ms is not None else t.status
+                print(f"#{t.id} run {t.run_id} {t.case_key} {ms} {t.label}"
+                      + (f" | {t.error.splitlines()[-1][:100]}" if t.error else ""))
+    return 0
+
+
+def _case_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", help="E,H,I,k of a model (default: seed16 on a GPU, a tiny demo on the CPU)")
+    p.add_argument("--tokens", help="token counts, e.g. 1,16,512 (default: the suite's)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
+    p.add_argument("--db", help="SQLAlchemy URL (default: sqlite file under db/)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moe-tune", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tune", help="search the variant space per case; every trial goes to the database")
+    _case_args(p)
+    p.add_argument("--trials", type=int, default=None, help="finished trials per case, resumed studies included "
+                   "(default 40 on a GPU, 4 on the CPU)")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int, default=None, help="timed repeats per trial (default 20 GPU, 2 CPU)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a trial counts as hung")
+    p.add_argument("--in-process", action="store_true", help="no worker process (a GPU fault ends the run)")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("emit", help="write the best variant per case as kernels_generated/<name>.py")
+    _case_args(p)
+    p.add_argument("--name")
+    p.add_argument("--out-dir")
+    p.add_argument("--fingerprint", help="machine fingerprint to emit for (default: this machine's)")
+    p.set_defaults(func=cmd_emit)
+
+    p = sub.add_parser("bench", help="ceilings, floor, the emitted module and two peers; table, JSON, PNG")
+    _case_args(p)
+    p.add_argument("--module", help="emitted module path (default: this machine's for the shape)")
+    p.add_argument("--json", help="where the JSON goes (default: next to the module, .bench.json)")
+    p.add_argument("--png", help="write a plot here")
+    p.add_argument("--no-peers", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("show", help="best variant per case and trial history from the database")
+    p.add_argument("--db", help="SQLAlchemy URL (default: sqlite file under db/)")
+    p.add_argument("--history", type=int, default=0, help="also list the last N trials")
+    p.add_argument("--case-key", help="limit the history to one case key")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("check", help="check an emitted module against the fp32 reference on fresh inputs")
+    _case_args(p)
+    p.add_argument("--module")
+    p.set_defaults(func=cmd_check)
+    return ap
+
+
+def main(argv=None) -> int:
+    if not torch.cuda.is_available():
+        # Kernels can only run through the interpreter here; set before any kernel is defined.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    args = parser().parse_args(argv)
+    if getattr(args, "trials", 0) is None:
+        args.trials = 40 if _gpu() else 4
+    if getattr(args, "reps", 0) is None:
+        args.reps = 20 if _gpu() else 2
+    try:
+        return args.func(args)
+    except (ValueError, LookupError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

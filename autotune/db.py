@@ -1,0 +1,168 @@
+"""The tuning database: runs (with the hardware and software they ran on) and every trial.
+
+Any SQLAlchemy URL works; the default is the embedded SQLite file under db/. Optuna keeps its own
+tables (studies, trials, ...) in the same database; ours are prefixed `mt_`.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, create_engine, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from . import __version__
+from .target import Fingerprint
+
+DB_DIR = Path(__file__).resolve().parent.parent / "db"
+GPU_URL = f"sqlite:///{DB_DIR / 'moe_tune.sqlite3'}"
+# CPU demo runs go to their own file so they never mix into the committed GPU database.
+DEMO_URL = f"sqlite:///{DB_DIR / 'demo.sqlite3'}"
+
+STATUSES = ("ok", "rejected", "compile_error", "runtime_error", "wrong", "timeout", "crashed")
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    """One `moe-tune tune` invocation and the machine it ran on."""
+
+    __tablename__ = "mt_runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(DateTime, default=_now)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    host: Mapped[str] = mapped_column(String(255))
+    command: Mapped[str] = mapped_column(Text)
+    moe_tune: Mapped[str] = mapped_column(String(32))
+    fingerprint: Mapped[str] = mapped_column(String(255), index=True)
+    gpu: Mapped[str] = mapped_column(String(255))
+    capability: Mapped[str] = mapped_column(String(32))
+    driver: Mapped[str] = mapped_column(String(64))
+    cuda: Mapped[str] = mapped_column(String(64))
+    torch: Mapped[str] = mapped_column(String(64))
+    triton: Mapped[str] = mapped_column(String(64))
+    interpreter: Mapped[bool] = mapped_column(Boolean)
+    # Ceilings measured at the start of the run, in the worker that times the trials.
+    read_bytes_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    matmul_flops_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Trial(Base):
+    """One variant tried on one case: what ran, whether it was right, and how long it took."""
+
+    __tablename__ = "mt_trials"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("mt_runs.id"), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=_now)
+    study: Mapped[str] = mapped_column(String(255), index=True)
+    fingerprint: Mapped[str] = mapped_column(String(255), index=True)
+    case_key: Mapped[str] = mapped_column(String(255), index=True)
+    case: Mapped[dict] = mapped_column(JSON)
+    optuna_number: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    params: Mapped[dict] = mapped_column(JSON)
+    label: Mapped[str] = mapped_column(Text)
+    source_hash: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    status: Mapped[str] = mapped_column(String(32), index=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    global_rel_l2: Mapped[float | None] = mapped_column(Float, nullable=True)
+    worst_token_rel_l2: Mapped[float | None] = mapped_column(Float, nullable=True)
+    rms_ratio: Mapped[float | None] = mapped_column(Float, nullable=True)
+    compile_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    median_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    p10_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    p90_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    mean_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    std_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    timing_method: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    samples_ms: Mapped[list | None] = mapped_column(JSON, nullable=True)
+    experts_touched: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    floor_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+def default_url(gpu: bool) -> str:
+    return GPU_URL if gpu else DEMO_URL
+
+
+def connect(url: str) -> Engine:
+    """An engine on `url` with our tables created (SQLite's folder too)."""
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url)
+    Base.metadata.create_all(engine)
+    return engine
+
+
+def start_run(session: Session, fp: Fingerprint, command: str, ceilings: dict | None) -> Run:
+    ceilings = ceilings or {}
+    run = Run(
+        host=socket.gethostname(), command=command, moe_tune=__version__, fingerprint=fp.key,
+        gpu=fp.gpu, capability=fp.capability, driver=fp.driver, cuda=fp.cuda, torch=fp.torch,
+        triton=fp.triton, interpreter=fp.interpreter,
+        read_bytes_per_s=ceilings.get("read_bytes_per_s"),
+        matmul_flops_per_s=ceilings.get("matmul_flops_per_s"),
+    )
+    session.add(run)
+    session.commit()
+    return run
+
+
+def finish_run(session: Session, run: Run) -> None:
+    run.finished_at = _now()
+    session.commit()
+
+
+def record_trial(session: Session, **fields) -> Trial:
+    trial = Trial(**fields)
+    if trial.status not in STATUSES:
+        raise ValueError(f"unknown trial status {trial.status!r}")
+    session.add(trial)
+    session.commit()
+    return trial
+
+
+def cached_result(session: Session, fingerprint: str, case_key: str, source_hash: str) -> Trial | None:
+    """An earlier measured trial of the same source on the same case and machine, if any."""
+    return session.scalars(
+        select(Trial).where(Trial.fingerprint == fingerprint, Trial.case_key == case_key,
+                            Trial.source_hash == source_hash, Trial.status != "rejected")
+        .order_by(Trial.id.desc())
+    ).first()
+
+
+def best_trials(session: Session, fingerprint: str, case_keys: list[str] | None = None) -> dict[str, Trial]:
+    """Fastest verified trial per case on this fingerprint (never another GPU's or Triton's)."""
+    query = select(Trial).where(Trial.fingerprint == fingerprint, Trial.status == "ok")
+    if case_keys is not None:
+        query = query.where(Trial.case_key.in_(case_keys))
+    best: dict[str, Trial] = {}
+    for t in session.scalars(query):
+        if t.case_key not in best or t.median_ms < best[t.case_key].median_ms:
+            best[t.case_key] = t
+    return best
+
+
+def history(session: Session, case_key: str | None = None, limit: int = 50) -> list[Trial]:
+    query = select(Trial).order_by(Trial.id.desc()).limit(limit)
+    if case_key is not None:
+        query = query.where(Trial.case_key == case_key)
+    return list(session.scalars(query))
+
+
+def fingerprints(session: Session) -> list[str]:
+    return sorted(set(session.scalars(select(Run.fingerprint))))
+
+
+def run_of(session: Session, run_id: int) -> Run:
+    return session.get(Run, run_id)
+
+

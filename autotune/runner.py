@@ -1,0 +1,190 @@
+"""Compile, verify and time one rendered variant on one case, isolated in a worker process.
+
+The worker keeps the current case's inputs and reference between trials (seed16's weights are
+12.9 GB). A variant that fails to compile, faults, hangs or is wrong comes back as a failed result
+with its reason; a fault that poisons the CUDA context ends only the worker, which is restarted.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from . import render, target
+from .reference import BAR, error_stats, moe_reference
+from .timing import time_fn
+from .workloads import Case, make_tokens, make_weights
+
+# Verification uses inputs drawn apart from the timed ones: a fresh weight seed and token seed.
+VERIFY_WEIGHT_SEED = 1
+VERIFY_TOKEN_OFFSET = 7919
+# Errors after which the CUDA context cannot be trusted: the worker exits after reporting.
+_FATAL_MARKERS = ("illegal memory access", "unspecified launch failure", "device-side assert", "CUDA error")
+
+
+@dataclass
+class Result:
+    status: str
+    error: str | None = None
+    compile_s: float | None = None
+    stats: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)
+    experts_touched: int | None = None
+
+
+class _CaseState:
+    """Inputs and reference of the case being tuned; rebuilt only when the case changes."""
+
+    def __init__(self):
+        self.shape = None
+        self.case = None
+
+    def prepare(self, case: Case) -> None:
+        dev = target.device()
+        if self.shape != case.shape:
+            self.shape = self.case = None
+            self.weights = self.verify_weights = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            self.weights = make_weights(case.shape, dev, seed=0)
+            self.verify_weights = make_weights(case.shape, dev, seed=VERIFY_WEIGHT_SEED)
+            self.shape = case.shape
+        if self.case != case:
+            self.tokens = make_tokens(case, dev)
+            self.verify_tokens = make_tokens(case, dev, seed_offset=VERIFY_TOKEN_OFFSET)
+            x, w, ids = self.verify_tokens
+            self.reference = moe_reference(x, *self.verify_weights, w, ids)
+            ids = self.tokens[2]
+            self.experts_touched = int(torch.unique(ids[(ids >= 0) & (ids < case.shape.E)]).numel())
+            self.case = case
+
+
+def evaluate(state: _CaseState, case: Case, source: str, reps: int) -> Result:
+    """Render-to-number for one variant: compile (first call), verify, then time."""
+    try:
+        state.prepare(case)
+        module = render.load_source(source)
+        x, w, ids = state.verify_tokens
+        t0 = time.perf_counter()
+        out = module.fused_experts(x, *state.verify_weights, w, ids)
+        if target.has_gpu():
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+    except (triton.CompilationError, triton.runtime.errors.OutOfResources) as exc:
+        return Result("compile_error", _short(exc))
+    except Exception as exc:  # a variant's failure is data, not the end of the run
+        return Result("runtime_error", _short(exc))
+
+    stats = error_stats(out, state.reference)
+    bad = stats.failures(BAR)
+    if bad:
+        return Result("wrong", "; ".join(bad), compile_s, stats.__dict__)
+
+    x, w, ids = state.tokens
+    out = torch.empty_like(x)
+    try:
+        timing = time_fn(lambda: module.fused_experts(x, *state.weights, w, ids, out=out), reps=reps)
+    except Exception as exc:
+        return Result("runtime_error", _short(exc), compile_s, stats.__dict__)
+    return Result("ok", None, compile_s, stats.__dict__, timing.as_dict(), state.experts_touched)
+
+
+def _short(exc: BaseException, limit: int = 2000) -> str:
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _worker(conn) -> None:
+    state = _CaseState()
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        kind, payload = msg
+        if kind == "ceilings":
+            from .bench import measure_ceilings
+
+            conn.send(measure_ceilings().as_dict())
+            continue
+        case, source, reps = payload
+        result = evaluate(state, Case.from_dict(case), source, reps)
+        conn.send(result.__dict__)
+        if result.error and any(m in result.error for m in _FATAL_MARKERS):
+            return
+
+
+class Runner:
+    """Evaluates variants in a worker process (or in this one with isolate=False, for tests)."""
+
+    def __init__(self, isolate: bool = True, timeout_s: float = 900.0, reps: int = 20):
+        self.isolate, self.timeout_s, self.reps = isolate, timeout_s, reps
+        self._proc = self._conn = None
+        self._state = None if isolate else _CaseState()
+
+    def _ensure_worker(self):
+        if self._proc is None or not self._proc.is_alive():
+            ctx = mp.get_context("spawn")
+            self._conn, child = ctx.Pipe()
+            self._proc = ctx.Process(target=_worker, args=(child,), daemon=True)
+            self._proc.start()
+            child.close()
+
+    def _ask(self, msg):
+        """Send one request; None when the worker died or hung (it is then killed)."""
+        self._ensure_worker()
+        try:
+            self._conn.send(msg)
+            if self._conn.poll(self.timeout_s):
+                return self._conn.recv()
+            self._kill()
+            return "timeout"
+        except (EOFError, OSError, BrokenPipeError):
+            self._kill()
+            return None
+
+    def evaluate(self, case: Case, source: str) -> Result:
+        if not self.isolate:
+            return evaluate(self._state, case, source, self.reps)
+        answer = self._ask(("evaluate", (case.as_dict(), source, self.reps)))
+        if answer == "timeout":
+            return Result("timeout", f"no answer within {self.timeout_s:.0f} s; worker killed")
+        if answer is None:
+            return Result("crashed", "the worker process died during the trial")
+        return Result(**answer)
+
+    def ceilings(self) -> dict | None:
+        """The run's ceilings, measured in the process that times the trials (GPU only)."""
+        if not target.has_gpu():
+            return None
+        if not self.isolate:
+            from .bench import measure_ceilings
+
+            return measure_ceilings().as_dict()
+        answer = self._ask(("ceilings", None))
+        return answer if isinstance(answer, dict) else None
+
+    def _kill(self):
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(timeout=10)
+        self._proc = self._conn = None
+
+    def close(self):
+        if self._proc is not None and self._proc.is_alive():
+            try:
+                self._conn.send(None)
+                self._proc.join(timeout=30)
+            except (OSError, BrokenPipeError):
+                pass
+        self._kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,159 @@
+"""Optuna studies: one per case and machine fingerprint, every trial persisted, resumable.
+
+A study's name carries the fingerprint (GPU, compute capability, Triton version), so a result from
+another machine or Triton release is never reused silently: it lives in another study.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import optuna
+from optuna.trial import TrialState
+from sqlalchemy.orm import Session
+
+from . import db, render, space, target
+from .runner import Runner
+from .workloads import Case
+
+# Rejected points (cannot compile or exceed shared memory) are cheap; cap them so a narrow space
+# cannot spin the sampler forever.
+MAX_REJECTS_PER_TRIAL = 20
+
+
+@dataclass
+class TuneConfig:
+    storage_url: str
+    trials: int = 30  # total per case: a resumed study only runs what is missing
+    time_budget_s: float | None = None  # for the whole run, shared out over the remaining cases
+    seed: int = 0
+    isolate: bool = True
+    reps: int = 20
+    timeout_s: float = 900.0
+    command: str = ""
+
+
+def study_name(case: Case, fp: target.Fingerprint) -> str:
+    return f"{case.key}@{fp.key}"
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _fail_stale(study: optuna.Study) -> None:
+    """Trials left RUNNING by an interrupted run are marked failed so the study can go on."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+
+
+def _finished(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)))
+
+
+def floor_ms(experts_touched: int, case: Case, ceilings: dict | None) -> float | None:
+    """The case's roofline floor under the run's measured ceilings (None without ceilings)."""
+    if not ceilings:
+        return None
+    return 1e3 * max(case.bytes_moved(experts_touched) / ceilings["read_bytes_per_s"],
+                     case.flops / ceilings["matmul_flops_per_s"])
+
+
+def tune(cases: list[Case], cfg: TuneConfig, log=_log) -> dict[str, float]:
+    """Tune every case to `cfg.trials` finished trials (or the time budget); returns best ms per case."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    fp = target.fingerprint()
+    engine = db.connect(cfg.storage_url)
+    deadline = None if cfg.time_budget_s is None else time.monotonic() + cfg.time_budget_s
+    best: dict[str, float] = {}
+    with Session(engine) as session, Runner(cfg.isolate, cfg.timeout_s, cfg.reps) as runner:
+        ceilings = runner.ceilings()
+        run = db.start_run(session, fp, cfg.command, ceilings)
+        log(f"run {run.id} on {fp.gpu} ({fp.key}); storage {cfg.storage_url}")
+        if ceilings:
+            log(f"ceilings: read {ceilings['read_bytes_per_s'] / 1e12:.2f} TB/s, "
+                f"matrix {ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+        for i, case in enumerate(cases):
+            case_deadline = None
+            if deadline is not None:
+                case_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(cases) - i)
+            best[case.key] = _tune_case(case, cfg, fp, session, runner, run, ceilings, case_deadline, log)
+        db.finish_run(session, run)
+    return best
+
+
+def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> float:
+    name = study_name(case, fp)
+    sampler = optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=min(10, max(2, cfg.trials // 3)))
+    study = optuna.create_study(study_name=name, storage=cfg.storage_url, sampler=sampler,
+                                direction="minimize", load_if_exists=True)
+    _fail_stale(study)
+    if not study.get_trials(deepcopy=False):
+        for v in space.starting_points(case):
+            study.enqueue_trial(v.as_dict())
+    done = _finished(study)
+    log(f"[{case.key}] study {name}: {done} trials done, target {cfg.trials}")
+    rejects = 0
+    while done < cfg.trials and rejects < MAX_REJECTS_PER_TRIAL * cfg.trials:
+        if deadline is not None and time.monotonic() > deadline:
+            log(f"[{case.key}] time budget reached after {done} trials")
+            break
+        trial = study.ask()
+        v = space.suggest(trial)
+        why = space.violations(v, case)
+        if why:
+            rejects += 1
+            db.record_trial(session, **_row(run, name, fp, case, trial, v, None, "rejected", "; ".join(why)))
+            study.tell(trial, state=TrialState.PRUNED)
+            continue
+        source = render.render_variant(v)
+        digest = render.source_hash(source)
+        earlier = db.cached_result(session, fp.key, case.key, digest)
+        if earlier is not None:
+            # The same code on the same case and machine: reuse its measurement.
+            study.tell(trial, earlier.median_ms if earlier.status == "ok" else None,
+                       state=TrialState.COMPLETE if earlier.status == "ok" else TrialState.FAIL)
+            done += 1
+            continue
+        result = runner.evaluate(case, source)
+        row = _row(run, name, fp, case, trial, v, digest, result.status, result.error)
+        row.update(compile_s=result.compile_s, experts_touched=result.experts_touched)
+        row.update({k: result.stats.get(k) for k in ("global_rel_l2", "worst_token_rel_l2", "rms_ratio")})
+        if result.status == "ok":
+            t = result.timing
+            row.update(median_ms=t["median_ms"], p10_ms=t["p10_ms"], p90_ms=t["p90_ms"], mean_ms=t["mean_ms"],
+                       std_ms=t["std_ms"], reps=t["reps"], timing_method=t["method"],
+                       samples_ms=list(t["samples_ms"]),
+                       floor_ms=floor_ms(result.experts_touched, case, ceilings))
+            study.tell(trial, t["median_ms"])
+        else:
+            study.tell(trial, state=TrialState.FAIL)
+        db.record_trial(session, **row)
+        done += 1
+        log(_progress(case, done, cfg.trials, v, row, study))
+    try:
+        return study.best_value
+    except ValueError:
+        return math.nan
+
+
+def _row(run, name, fp, case, trial, v, digest, status, error) -> dict:
+    return dict(run_id=run.id, study=name, fingerprint=fp.key, case_key=case.key, case=case.as_dict(),
+                optuna_number=trial.number, params=v.as_dict(), label=v.label, source_hash=digest,
+                status=status, error=error)
+
+
+def _progress(case, done, total, v, row, study) -> str:
+    if row["status"] == "ok":
+        sol = f" {100 * row['floor_ms'] / row['median_ms']:.0f}% SOL" if row.get("floor_ms") else ""
+        what = f"{row['median_ms']:.4f} ms{sol} (err {row['global_rel_l2']:.1e})"
+    else:
+        what = f"{row['status']}: {(row['error'] or '?').splitlines()[-1][:120]}"
+    try:
+        best = f"best {study.best_value:.4f} ms"
+    except ValueError:
+        best = "no valid trial yet"
+    return f"[{case.key}] {done}/{total} {what} | {v.label} | {best}"

@@ -1,0 +1,38 @@
+"""Test set-up: without a GPU every kernel runs through Triton's interpreter (set before any import)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from autotune import render, target  # noqa: E402
+from autotune.space import Variant  # noqa: E402
+
+GPU = target.has_gpu()
+DEVICE = target.device()
+# The interpreter cannot do bf16 tl.dot; on the GPU bf16 is the dtype that matters.
+DTYPES = (torch.bfloat16,) if GPU else (torch.float16, torch.float32)
+
+
+def small_variant(dispatch="fused", activation="fused", block_m=16, bn=32, bk=32, group_m=4) -> Variant:
+    return Variant(dispatch, activation, block_m, bn, bk, group_m, 4, 2, bn, bk, group_m, 4, 2)
+
+
+# One variant of every structural form: (dispatch, activation).
+FORMS = [("fused", "fused"), ("fused", "split"), ("split", "fused"), ("split", "split")]
+
+
+@pytest.fixture(scope="session")
+def form_modules():
+    """One rendered, imported module per structural form."""
+    return {f: render.load_source(render.render_variant(small_variant(*f))) for f in FORMS}
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not GPU:
+            item.add_marker(skip)

@@ -1,0 +1,65 @@
+"""The same checks on the GPU, in bf16 at seed16 sizes (marked `gpu`; skipped without CUDA)."""
+
+import pytest
+import torch
+
+from autotune import render, target
+from autotune.reference import BAR, error_stats, moe_reference
+from autotune.space import Variant
+from autotune.workloads import SEED16_SHAPE, Case, Shape, make_tokens, make_weights
+
+pytestmark = pytest.mark.gpu
+
+VARIANTS = {
+    "fused/fused small": Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4),
+    "fused/fused large": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3),
+    "split/split": Variant("split", "split", 64, 128, 64, 8, 4, 3, 128, 64, 8, 4, 3),
+}
+
+
+@pytest.fixture(scope="module")
+def seed16_weights():
+    return make_weights(SEED16_SHAPE, target.device(), seed=3)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("T", [1, 7, 300, 4096])
+def test_seed16_bf16_matches_reference(seed16_weights, name, T):
+    module = render.load_source(render.render_variant(VARIANTS[name]))
+    x, w, ids = make_tokens(Case(SEED16_SHAPE, T, seed=T), target.device())
+    out = module.fused_experts(x, *seed16_weights, w, ids)
+    stats = error_stats(out, moe_reference(x, *seed16_weights, w, ids))
+    print(name, T, stats)
+    assert not stats.failures(BAR), stats
+    again = module.fused_experts(x, *seed16_weights, w, ids)
+    assert torch.equal(out, again), "not bitwise deterministic"
+
+
+def test_offsets_past_2_pow_31():
+    """T*k*H > 2**31: slot-order rows of y must use 64-bit offsets (a known crash in two peers)."""
+    shape = Shape(E=8, H=4096, I=128, k=8, dtype="bfloat16")
+    T = 2**31 // (shape.k * shape.H) + 1000
+    module = render.load_source(render.render_variant(VARIANTS["fused/fused large"]))
+    w13, w2 = make_weights(shape, target.device(), seed=5)
+    x, w, ids = make_tokens(Case(shape, T, seed=9), target.device())
+    out = module.fused_experts(x, w13, w2, w, ids)
+    stats = error_stats(out[-4096:], moe_reference(x[-4096:], w13, w2, w[-4096:], ids[-4096:]))
+    assert not stats.failures(BAR), stats
+
+
+def test_cuda_graph_capture():
+    """The op never synchronises the host: it can be captured and replayed."""
+    shape = Shape(E=16, H=512, I=256, k=4, dtype="bfloat16")
+    module = render.load_source(render.render_variant(VARIANTS["fused/fused small"]))
+    w13, w2 = make_weights(shape, target.device(), seed=5)
+    x, w, ids = make_tokens(Case(shape, 64, seed=9), target.device())
+    out = torch.empty_like(x)
+    module.fused_experts(x, w13, w2, w, ids, out=out)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        module.fused_experts(x, w13, w2, w, ids, out=out)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert not error_stats(out, moe_reference(x, w13, w2, w, ids)).failures(BAR)
