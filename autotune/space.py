@@ -18,6 +18,8 @@ class Param:
     name: str
     choices: tuple
     doc: str
+    # The case dimension no useful value exceeds (rounded up to a power of two), if any.
+    cap: str | None = None
 
 
 PARAMS: tuple[Param, ...] = (
@@ -28,14 +30,15 @@ PARAMS: tuple[Param, ...] = (
           "fused: SiLU(gate)*up in GEMM1's epilogue, which writes [M, I]; split: GEMM1 writes [M, 2I] and "
           "an activation kernel reduces it"),
     Param("block_m", (16, 32, 64, 128),
-          "rows of a tile; each expert's rows are padded to it, so both GEMMs share it"),
-    Param("g1_block_n", (32, 64, 128, 256), "GEMM1 output columns per tile (of I when fused, of 2I when split)"),
-    Param("g1_block_k", (32, 64, 128, 256), "GEMM1 reduction step over H"),
+          "rows of a tile; each expert's rows are padded to it, so both GEMMs share it", "slots"),
+    Param("g1_block_n", (32, 64, 128, 256), "GEMM1 output columns per tile (of I when fused, of 2I when split)",
+          "2I"),
+    Param("g1_block_k", (32, 64, 128, 256), "GEMM1 reduction step over H", "H"),
     Param("g1_group_m", (1, 4, 8, 16), "GEMM1 tile swizzle: row tiles visited together so weight tiles stay in L2"),
     Param("g1_num_warps", (4, 8), "GEMM1 warps per program"),
     Param("g1_num_stages", (2, 3, 4, 5), "GEMM1 software-pipeline depth (shared-memory buffers)"),
-    Param("g2_block_n", (32, 64, 128, 256), "GEMM2 output columns per tile (of H)"),
-    Param("g2_block_k", (32, 64, 128, 256), "GEMM2 reduction step over I"),
+    Param("g2_block_n", (32, 64, 128, 256), "GEMM2 output columns per tile (of H)", "H"),
+    Param("g2_block_k", (32, 64, 128, 256), "GEMM2 reduction step over I", "I"),
     Param("g2_group_m", (1, 4, 8, 16), "GEMM2 tile swizzle"),
     Param("g2_num_warps", (4, 8), "GEMM2 warps per program"),
     Param("g2_num_stages", (2, 3, 4, 5), "GEMM2 software-pipeline depth"),
@@ -127,9 +130,25 @@ def violations(v: Variant, case: Case) -> list[str]:
     return bad
 
 
-def suggest(trial) -> Variant:
+def _dims(case: Case) -> dict[str, int]:
+    s = case.shape
+    return {"slots": case.T * s.k, "H": s.H, "I": s.I, "2I": 2 * s.I}
+
+
+def choices(p: Param, case: Case) -> tuple:
+    """The values of `p` worth trying on `case`: none beyond its capping dimension (at least one).
+
+    Fixed per case, so one study always sees the same distribution for a parameter.
+    """
+    if p.cap is None:
+        return p.choices
+    limit = _next_pow2(_dims(case)[p.cap])
+    return tuple(c for c in p.choices if c <= limit) or p.choices[:1]
+
+
+def suggest(trial, case: Case) -> Variant:
     """Ask an Optuna trial for one value of every parameter (define-by-run, no conditions yet)."""
-    return Variant(**{p.name: trial.suggest_categorical(p.name, p.choices) for p in PARAMS})
+    return Variant(**{p.name: trial.suggest_categorical(p.name, choices(p, case)) for p in PARAMS})
 
 
 def starting_points(case: Case) -> list[Variant]:
@@ -154,4 +173,7 @@ def starting_points(case: Case) -> list[Variant]:
             Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3),
             Variant("fused", "fused", 64, 128, 64, 8, 4, 4, 128, 64, 8, 4, 4),
         ]
-    return [v for v in picks if not violations(v, case)]
+    def in_space(v: Variant) -> bool:
+        return all(getattr(v, p.name) in choices(p, case) for p in PARAMS)
+
+    return [v for v in picks if in_space(v) and not violations(v, case)]

@@ -102,7 +102,7 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             log(f"[{case.key}] time budget reached after {done} trials")
             break
         trial = study.ask()
-        v = space.suggest(trial)
+        v = space.suggest(trial, case)
         why = space.violations(v, case)
         if why:
             rejects += 1

@@ -1,0 +1,163 @@
+"""Every template form against the reference (interpreter on the CPU: fp16/fp32, tiny odd shapes),
+the dispatch outputs exactly against torch, and the edge cases of REFERENCE.md."""
+
+import pytest
+import torch
+from conftest import DEVICE, DTYPES, FORMS
+
+from autotune.reference import BAR, error_stats, moe_reference
+from autotune.workloads import Case, Shape, make_tokens, make_weights
+
+
+def inputs(E=8, H=64, I=48, k=2, T=5, dtype=torch.float16, seed=0):  # noqa: E741
+    shape = Shape(E, H, I, k, {torch.float16: "float16", torch.float32: "float32",
+                               torch.bfloat16: "bfloat16"}[dtype])
+    w13, w2 = make_weights(shape, DEVICE, seed=seed)
+    x, w, ids = make_tokens(Case(shape, T, seed=seed + T), DEVICE)
+    return x, w13, w2, w, ids
+
+
+def assert_matches(module, x, w13, w2, w, ids):
+    out = module.fused_experts(x, w13, w2, w, ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    stats = error_stats(out, moe_reference(x, w13, w2, w, ids))
+    assert not stats.failures(BAR), stats
+    return out
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, H, I", [(1, 64, 48), (37, 80, 40)])  # 80 and 40: no power of two, K tails
+def test_forms_match_reference(form_modules, form, dtype, T, H, I):  # noqa: E741
+    assert_matches(form_modules[form], *inputs(H=H, I=I, T=T, dtype=dtype))
+
+
+def torch_dispatch(ids, E, block_m):
+    """Stable sort of slots by expert, each expert padded to block_m: the spec of the dispatch kernels."""
+    flat = ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < E)
+    slots = torch.arange(flat.numel())[valid.cpu()]
+    order = torch.sort(flat[valid].cpu(), stable=True)
+    expert_blocks, block_rows, sorted_slots = [], [], []
+    for e in range(E):
+        mine = slots[order.indices[order.values == e]]
+        for b in range(0, mine.numel(), block_m):
+            chunk = mine[b:b + block_m]
+            expert_blocks.append(e)
+            block_rows.append(chunk.numel())
+            sorted_slots.append(chunk)
+    return torch.tensor(expert_blocks, dtype=torch.int32), torch.tensor(block_rows, dtype=torch.int32), sorted_slots
+
+
+@pytest.mark.parametrize("E, T, k, block_m", [(8, 1, 2, 16), (5, 300, 3, 16), (64, 70, 4, 32), (3, 50, 2, 128)])
+def test_dispatch_exact(form_modules, E, T, k, block_m):
+    """Integers compare exactly: block -> expert map, rows per block, and the slots in stable order.
+    T=300 x k=3 spans several 128-slot chunks, so the cross-chunk prefix is exercised."""
+    gen = torch.Generator().manual_seed(E * T)
+    ids = torch.randint(-1, E + 2, (T, k), generator=gen)  # includes -1 and out-of-range ids
+    ids[0, 0] = 2**32 + 1  # must not wrap around to expert 1 when narrowed
+    module = form_modules[("fused", "fused")]
+    sorted_slots, block_expert, block_rows = module.dispatch(ids.to(DEVICE), E, block_m)
+    want_expert, want_rows, want_slots = torch_dispatch(ids, E, block_m)
+    n = want_expert.numel()
+    assert torch.equal(block_expert[:n].cpu(), want_expert)
+    assert torch.equal(block_rows[:n].cpu(), want_rows)
+    assert (block_expert[n:] == -1).all() and (block_rows[n:] == 0).all()
+    for b, want in enumerate(want_slots):
+        got = sorted_slots[b * block_m: b * block_m + want.numel()].cpu().long()
+        assert torch.equal(got, want), f"block {b}"
+
+
+class TestEdgeCases:
+    module_form = ("fused", "fused")
+
+    @pytest.fixture
+    def module(self, form_modules):
+        return form_modules[self.module_form]
+
+    def test_zero_tokens_launches_nothing(self, module):
+        x, w13, w2, w, ids = inputs(T=1)
+        out = module.fused_experts(x[:0], w13, w2, w[:0], ids[:0])
+        assert out.shape == (0, x.shape[1])
+
+    def test_one_hot_expert_and_empty_experts(self, module):
+        x, w13, w2, w, ids = inputs(T=40)
+        ids[:, 0] = 3  # every token on expert 3; most experts get nothing from slot 0
+        ids[:, 1] = 5
+        assert_matches(module, x, w13, w2, w, ids)
+
+    def test_invalid_and_duplicate_ids(self, module):
+        x, w13, w2, w, ids = inputs(T=6)
+        ids[0, 0] = -1
+        ids[1, :] = -1  # a token with no expert here: zero output row
+        ids[2, 1] = 1000  # garbage from a padded CUDA-graph row
+        ids[3, 1] = ids[3, 0]  # the same expert twice counts twice
+        ids[4, 0] = -7
+        out = assert_matches(module, x, w13, w2, w, ids)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+    def test_int32_ids_and_bf16_weights_input(self, module):
+        x, w13, w2, w, ids = inputs(T=9)
+        assert_matches(module, x, w13, w2, w.to(torch.bfloat16), ids.to(torch.int32))
+
+    def test_non_contiguous_views(self, module):
+        x, w13, w2, w, ids = inputs(T=12)
+        x_wide = torch.zeros(12, 2 * x.shape[1], dtype=x.dtype, device=x.device)
+        x_wide[:, ::2] = x
+        strided = x_wide[:, ::2]  # last-dim stride 2: copied before launch
+        row_view = x_wide[:, : x.shape[1]]  # row stride 2H: used in place
+        row_view.copy_(x)
+        ids_t = ids.t().contiguous().t()  # column-major ids
+        assert_matches(module, strided, w13, w2, w, ids_t)
+        assert_matches(module, row_view, w13, w2, w, ids)
+
+    def test_nan_token_stays_in_its_row(self, module):
+        x, w13, w2, w, ids = inputs(T=20)
+        x[7, 3] = float("nan")
+        out = module.fused_experts(x, w13, w2, w, ids)
+        assert torch.isnan(out[7]).any()
+        keep = torch.ones(20, dtype=torch.bool)
+        keep[7] = False
+        ref = moe_reference(x[keep], w13, w2, w[keep], ids[keep])
+        assert not error_stats(out[keep], ref).failures()
+
+    def test_out_argument_and_determinism(self, module):
+        x, w13, w2, w, ids = inputs(T=15)
+        out = torch.full_like(x, float("nan"))
+        first = module.fused_experts(x, w13, w2, w, ids, out=out)
+        assert first is out
+        assert torch.equal(first, module.fused_experts(x, w13, w2, w, ids))
+
+    def test_validate_names_first_bad_slot(self, module):
+        x, w13, w2, w, ids = inputs(T=4)
+        ids[2, 1] = 8  # E = 8
+        with pytest.raises(ValueError, match=r"topk_ids\[2, 1\] = 8"):
+            module.fused_experts(x, w13, w2, w, ids, validate=True)
+        ids[2, 1] = -1
+        module.fused_experts(x, w13, w2, w, ids, validate=True)
+
+    @pytest.mark.parametrize("arg, make, error, match", [
+        ("hidden_states", lambda a: a[0].to(torch.int32), TypeError, "hidden_states must be bf16"),
+        ("w13", lambda a: a[1][:, :-1], ValueError, "w13 must be"),
+        ("w2", lambda a: a[2].double(), TypeError, "w2 must have the dtype"),
+        ("w2", lambda a: a[2][:, :, :-1], ValueError, "w2 must be"),
+        ("topk_weights", lambda a: a[3][:-1], ValueError, "topk_weights must be"),
+        ("topk_weights", lambda a: a[3].to(torch.int64), TypeError, "topk_weights must be"),
+        ("topk_ids", lambda a: a[4].float(), TypeError, "topk_ids must be int32 or int64"),
+        ("topk_ids", lambda a: a[4][:, None], ValueError, "topk_ids must have 2 dimensions"),
+        ("w13", lambda a: a[1].transpose(1, 2).contiguous().transpose(1, 2), ValueError, "w13 must be contiguous"),
+        ("hidden_states", lambda a: a[0].tolist(), TypeError, "hidden_states must be a torch.Tensor"),
+    ])
+    def test_bad_arguments_raise_before_launch(self, module, arg, make, error, match):
+        args = list(inputs(T=3))
+        names = ["hidden_states", "w13", "w2", "topk_weights", "topk_ids"]
+        args[names.index(arg)] = make(args)
+        with pytest.raises(error, match=match):
+            module.fused_experts(*args)
+
+    def test_bad_out_and_device(self, module):
+        x, w13, w2, w, ids = inputs(T=3)
+        with pytest.raises(ValueError, match="out must be"):
+            module.fused_experts(x, w13, w2, w, ids, out=torch.empty(3, 5, dtype=x.dtype, device=x.device))
+        with pytest.raises(ValueError, match="meta"):
+            module.fused_experts(x, w13.to("meta"), w2, w, ids)

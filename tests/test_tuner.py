@@ -1,0 +1,125 @@
+"""A tuning run on a tiny case into a temporary SQLite file: resumed, emitted, imported, checked;
+the database rows, `show`, the CLI, and trial isolation (a crashing or hanging variant)."""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICE, GPU
+from sqlalchemy import inspect, select
+from sqlalchemy.orm import Session
+
+from autotune import cli, db, emit, render, target
+from autotune.reference import error_stats, moe_reference
+from autotune.runner import Runner
+from autotune.tuner import TuneConfig, tune
+from autotune.workloads import Case, Shape, make_tokens, make_weights, suite
+
+SHAPE = Shape(E=4, H=32, I=32, k=2, dtype="bfloat16" if GPU else "float16")
+CASES = suite(SHAPE, (1, 9))
+
+
+@pytest.fixture(scope="module")
+def tuned_db(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'tune.sqlite3'}"
+    cfg = TuneConfig(storage_url=url, trials=2, isolate=False, reps=1)
+    first = tune(CASES, cfg, log=lambda m: None)
+    cfg.trials = 3  # resume: only the missing trial of each study runs
+    second = tune(CASES, cfg, log=lambda m: None)
+    return url, first, second
+
+
+def test_tune_records_and_resumes(tuned_db):
+    url, first, second = tuned_db
+    assert all(math.isfinite(ms) for ms in first.values())
+    assert all(second[k] <= first[k] for k in first)  # a study only gains trials
+    with Session(db.connect(url)) as s:
+        runs = s.scalars(select(db.Run)).all()
+        assert len(runs) == 2 and all(r.finished_at is not None for r in runs)
+        measured = s.scalars(select(db.Trial).where(db.Trial.status != "rejected")).all()
+        by_case = {c.key: [t for t in measured if t.case_key == c.key] for c in CASES}
+        # Three finished trials per study; a repeated point is answered from the database, not re-run.
+        assert all(1 <= len(ts) <= 3 for ts in by_case.values())
+        ok = [t for t in measured if t.status == "ok"]
+        assert ok and all(t.median_ms > 0 and t.source_hash and t.global_rel_l2 < 8e-3 for t in ok)
+        assert all(t.fingerprint == target.fingerprint().key for t in measured)
+        assert {"mt_runs", "mt_trials", "studies", "trials"} <= set(inspect(s.get_bind()).get_table_names())
+
+
+def test_emit_import_and_check(tuned_db, tmp_path):
+    url, _, _ = tuned_db
+    with Session(db.connect(url)) as s:
+        path = emit.emit(s, target.fingerprint().key, CASES, "tiny", tmp_path)
+    source = path.read_text()
+    assert "import torch" in source and "import triton" in source
+    assert "autotune" not in source.split('"""', 2)[2]  # the module stands alone
+    module = render.load_path(path)
+    assert [row.max_tokens for row in module.VARIANTS] == [3, math.inf]  # floor(sqrt(1 * 9)) = 3
+    w13, w2 = make_weights(SHAPE, DEVICE, seed=4)
+    for T in (1, 3, 4, 20):  # tuned, on a threshold, between and beyond the tuned cases
+        x, w, ids = make_tokens(Case(SHAPE, T, seed=77), DEVICE)
+        stats = error_stats(module.fused_experts(x, w13, w2, w, ids), moe_reference(x, w13, w2, w, ids))
+        assert not stats.failures(), (T, stats)
+
+
+def test_results_of_another_fingerprint_are_not_reused(tuned_db, tmp_path):
+    url, _, _ = tuned_db
+    with Session(db.connect(url)) as s, pytest.raises(LookupError, match="no verified trial"):
+        emit.emit(s, "H100-sm90-triton9.9.9", CASES, "other", tmp_path)
+
+
+def test_cli_show_emit_check(tuned_db, tmp_path, capsys):
+    url, _, _ = tuned_db
+    args = ["--shape", "4,32,32,2", "--tokens", "1,9", "--db", url, "--dtype", SHAPE.dtype]
+    assert cli.main(["show", "--db", url, "--history", "5"]) == 0
+    shown = capsys.readouterr().out
+    assert CASES[0].key in shown and "last 5 trials" in shown
+    assert cli.main(["emit", *args, "--name", "cli_tiny", "--out-dir", str(tmp_path)]) == 0
+    path = capsys.readouterr().out.strip()
+    assert path.endswith("cli_tiny.py")
+    assert cli.main(["check", *args[:-4], "--dtype", SHAPE.dtype, "--module", path]) == 0
+    assert "2 of 2 cases pass" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_shape(capsys):
+    assert cli.main(["emit", "--shape", "4,32,32"]) == 2
+    assert "four positive integers" in capsys.readouterr().err
+
+
+def test_isolated_worker_survives_crash_and_hang():
+    case = CASES[0]
+    good = render.render_variant(next(iter(__import__("autotune.space").space.starting_points(case)), None)
+                                 or _tiny_variant())
+    with Runner(isolate=True, timeout_s=60, reps=1) as runner:
+        crashed = runner.evaluate(case, "import os\nos._exit(3)\n")
+        assert crashed.status == "crashed"
+        runner.timeout_s = 5
+        hung = runner.evaluate(case, "import time\ntime.sleep(600)\n")
+        assert hung.status == "timeout"
+        runner.timeout_s = 120
+        broken = runner.evaluate(case, "raise RuntimeError('bad variant')\n")
+        assert broken.status == "runtime_error" and "bad variant" in broken.error
+        ok = runner.evaluate(case, good)
+        assert ok.status == "ok", ok.error
+
+
+def _tiny_variant():
+    from conftest import small_variant
+    return small_variant()
+
+
+def test_wrong_variant_is_recorded_not_timed(tmp_path):
+    """A kernel that computes the wrong thing fails verification and gets no timing."""
+    case = CASES[1]
+    source = render.render_variant(_tiny_variant()).replace(
+        "acc = acc_gate * tl.sigmoid(acc_gate) * acc_up", "acc = acc_gate * acc_up")
+    result = Runner(isolate=False, reps=1).evaluate(case, source)
+    assert result.status == "wrong" and "relative L2" in result.error and not result.timing
+
+
+def test_bf16_refused_without_gpu(capsys):
+    if GPU:
+        pytest.skip("bf16 runs on the GPU")
+    assert torch.cuda.is_available() is False
+    with pytest.raises(SystemExit, match="bf16 cannot run here"):
+        cli.main(["tune", "--shape", "4,32,32,2", "--tokens", "1"])
