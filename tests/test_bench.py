@@ -1,0 +1,186 @@
+"""Benchmark pieces: peers against the reference, the floor's arithmetic, ceilings, report formats.
+
+On a CPU machine the kernels run under the Triton interpreter (set here, before any kernel module is
+imported); tests marked `gpu` need CUDA and time real sizes.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from autotune import bench, peers, target  # noqa: E402
+from autotune.reference import error_stats, moe_reference  # noqa: E402
+from autotune.workloads import DEMO_SHAPE, SEED16_SHAPE, Case, Shape, make_tokens, make_weights  # noqa: E402
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not target.has_gpu(), reason="needs a CUDA GPU (not the interpreter)")
+
+TINY_FP32 = Shape(E=8, H=64, I=32, k=2, dtype="float32")
+# Numbers REFERENCE.md's seed16 table used for its SOL column.
+REF_CEILINGS = bench.Ceilings(read_bytes_per_s=4.47e12, matmul_flops_per_s=643e12,
+                              torch_matmul_flops_per_s=643e12, triton_gemm_flops_per_s=None)
+
+
+def _inputs(shape: Shape, T: int, edit=None):
+    w13, w2 = make_weights(shape, "cpu", seed=0)
+    x, w, ids = make_tokens(Case(shape, T, seed=T), "cpu")
+    if edit:
+        edit(ids)
+    return x, w13, w2, w, ids
+
+
+def _bad_ids(ids):
+    ids[0, 0] = -1  # expert-parallel "not on this device"
+    ids[1, 1] = 8  # id >= E: garbage from a padded row
+    ids[2, 1] = -7
+    ids[3, :] = 3  # the same expert twice in one row
+
+
+def _one_hot_expert(ids):
+    ids[:] = 5  # every pair on one expert, the other seven empty
+
+
+# Why each case: T=0 (empty), T=1 (decode), odd T, ids outside [0, E) and a repeated expert, one hot expert.
+PEER_CASES = {
+    "T0": (0, None), "T1": (1, None), "T37": (37, None), "bad-ids": (37, _bad_ids), "one-hot": (19, _one_hot_expert),
+}
+
+
+def _check_peer(fn, T, edit):
+    args = _inputs(TINY_FP32, T, edit)
+    out = fn(*args)
+    ref = moe_reference(*args)
+    assert out.shape == ref.shape and out.dtype == args[0].dtype
+    assert not error_stats(out, ref).failures()
+    if T:
+        assert float(ref.norm()) > 0  # a zero reference would make the comparison empty
+
+
+@pytest.mark.parametrize("case", list(PEER_CASES))
+@pytest.mark.parametrize("peer", peers.PEERS, ids=lambda p: p.name)
+def test_peer_matches_reference(peer, case):
+    if peer.name == "grouped_mm" and not peers.grouped_mm_supported("cpu", torch.float32):
+        pytest.skip("torch._grouped_mm has no CPU kernel in this torch (< 2.9): the fallback test covers the peer")
+    _check_peer(peer.fn, *PEER_CASES[case])
+
+
+@pytest.mark.parametrize("case", list(PEER_CASES))
+def test_grouped_mm_fallback_matches_reference(case, monkeypatch):
+    """The per-group loop used where torch._grouped_mm has no kernel (e.g. fp32 on CUDA, old CPU torch)."""
+    monkeypatch.setattr(peers, "grouped_mm_supported", lambda device_type, dtype: False)
+    _check_peer(peers.grouped_mm_pipeline, *PEER_CASES[case])
+
+
+def test_nan_in_one_token_stays_there():
+    x, w13, w2, w, ids = _inputs(TINY_FP32, 9)
+    x[4, 0] = float("nan")
+    for peer in peers.PEERS:
+        out = peer.fn(x, w13, w2, w, ids)
+        assert torch.isnan(out[4]).any() and torch.isfinite(out[torch.arange(9) != 4]).all(), peer.name
+
+
+def test_floor_on_seed16_numbers():
+    """REFERENCE.md: 0.090 ms at T=1 (8 experts), 2.88 ms once every weight is read, 20.51 ms at T=32768."""
+    floor = lambda T, touched: bench.floor_ms(Case(SEED16_SHAPE, T), touched, REF_CEILINGS)
+    assert floor(1, 8) == pytest.approx(0.0901, rel=2e-3)
+    assert floor(1, 8) == pytest.approx((8 * 50_331_648 + 2 * 4096 * 2) / 4.47e12 * 1e3, rel=1e-12)
+    assert floor(512, 256) == pytest.approx(2.881, rel=2e-3)
+    assert floor(32768, 256) == pytest.approx(20.51, rel=2e-3)  # compute-bound: 13.2 TFLOP / 643 TFLOP/s
+
+
+def test_read_bandwidth_kernel_runs():
+    assert bench.measure_read_bandwidth(reps=2) > 0
+
+
+def test_matmul_rate_checks_our_gemm():
+    rates = bench.measure_matmul_rate(reps=2)
+    assert rates.torch_flops_per_s > 0
+    assert rates.triton_flops_per_s is not None, rates.notes  # the TMA GEMM ran and matched torch.matmul
+    assert rates.best == max(rates.torch_flops_per_s, rates.triton_flops_per_s)
+
+
+def test_measure_ceilings():
+    c = bench.measure_ceilings(reps=2)
+    assert c.read_bytes_per_s > 0 and c.matmul_flops_per_s == max(c.torch_matmul_flops_per_s,
+                                                                  c.triton_gemm_flops_per_s or 0)
+    assert json.dumps(c.as_dict())
+
+
+def test_gemm_compiles_for_sm90_with_tma_and_wgmma():
+    """Compiled here for sm_90 (no GPU needed): fits Hopper's shared memory, loads through TMA, uses wgmma."""
+    report = bench.gemm_sm90_compile_report()
+    assert report["shared_bytes"] <= report["smem_limit_bytes"]
+    assert report["tma_loads"] > 0 and report["wgmma"] > 0
+
+
+def _tiny_bench(fn):
+    cases = [Case(DEMO_SHAPE, T, seed=T) for T in (1, 5, 33)]
+    return bench.run_bench(fn, cases, ceilings=REF_CEILINGS, reps=2, warmup=1)
+
+
+def test_run_bench_table_and_json(tmp_path):
+    result = _tiny_bench(peers.grouped_mm_pipeline)
+    rows = result["cases"]
+    assert [r["T"] for r in rows] == [1, 5, 33]
+    for r in rows:
+        assert r["ours"]["ok"] and r["ours"]["ms"] > 0
+        assert r["ours"]["pct_sol"] == pytest.approx(r["floor_ms"] / r["ours"]["ms"] * 100)
+        assert 1 <= r["experts_touched"] <= DEMO_SHAPE.E
+        for name in ("grouped_mm", "torch_loop"):
+            e = r["peers"][name]
+            assert e["ok"] and e["speedup"] == pytest.approx(e["ms"] / r["ours"]["ms"])
+    assert result["mean"]["ours"]["ms"] == pytest.approx(sum(r["ours"]["ms"] for r in rows) / 3)
+
+    table = bench.format_table(result).splitlines()
+    assert table[0] == ("| T | ms | floor ms | %SOL | TFLOP/s | TB/s | grouped_mm ms | speed-up vs grouped_mm"
+                        " | torch loop ms | speed-up vs loop |")
+    assert len(table) == 2 + 3 + 1 and table[-1].startswith("| **mean** |")
+
+    path = tmp_path / "bench.json"
+    bench.write_json(result, path)
+    loaded = json.loads(path.read_text())
+    assert loaded["fingerprint"] == target.fingerprint().as_dict()
+    assert loaded["cases"][2]["ours"]["ms"] == rows[2]["ours"]["ms"]
+
+    pytest.importorskip("matplotlib")
+    bench.write_png(result, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_wrong_output_is_flagged_not_timed(tmp_path):
+    zeros = lambda x, w13, w2, w, ids: torch.zeros_like(x)
+    result = _tiny_bench(zeros)
+    for r in result["cases"]:
+        assert not r["ours"]["ok"] and r["ours"]["ms"] is None and r["ours"]["failures"]
+        assert r["peers"]["torch_loop"]["speedup"] is None
+    assert result["mean"]["ours"]["ms"] is None and result["mean"]["ours"]["failed"] == 3
+    assert "| 1 | FAIL |" in bench.format_table(result)
+    bench.write_json(result, tmp_path / "bench.json")  # NaN-free: error stats of a zero output are finite
+
+
+@gpu
+@needs_cuda
+def test_gpu_ceilings_and_gemm():
+    c = bench.measure_ceilings()
+    assert c.triton_gemm_flops_per_s is not None, c.notes
+    assert c.read_bytes_per_s > 1e12 and c.matmul_flops_per_s > 1e14  # any datacenter GPU of this decade
+
+
+@gpu
+@needs_cuda
+def test_gpu_peers_bf16():
+    shape = Shape(E=16, H=512, I=256, k=4, dtype="bfloat16")
+    w13, w2 = make_weights(shape, "cuda", seed=0)
+    for T in (1, 37, 1000):
+        x, w, ids = make_tokens(Case(shape, T, seed=T), "cuda")
+        ids[0, 0] = -1
+        ref = moe_reference(x, w13, w2, w, ids)
+        for peer in peers.PEERS:
+            assert not error_stats(peer.fn(x, w13, w2, w, ids), ref).failures(), (peer.name, T)
