@@ -139,6 +139,14 @@ def cached_result(session: Session, fingerprint: str, case_key: str, source_hash
     ).first()
 
 
+def ranked_trials(session: Session, fingerprint: str, case_key: str) -> list[Trial]:
+    """Verified trials of one case on this fingerprint, fastest first."""
+    return list(session.scalars(
+        select(Trial).where(Trial.fingerprint == fingerprint, Trial.case_key == case_key, Trial.status == "ok")
+        .order_by(Trial.median_ms)
+    ))
+
+
 def best_trials(session: Session, fingerprint: str, case_keys: list[str] | None = None) -> dict[str, Trial]:
     """Fastest verified trial per case on this fingerprint (never another GPU's or Triton's)."""
     query = select(Trial).where(Trial.fingerprint == fingerprint, Trial.status == "ok")

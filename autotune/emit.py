@@ -27,10 +27,33 @@ def thresholds(tokens: list[int]) -> list[float]:
     return [math.floor(math.sqrt(a * b)) for a, b in zip(tokens, tokens[1:], strict=False)] + [math.inf]
 
 
+def current_best(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
+    """The fastest verified trial whose measured source is what the templates render today.
+
+    A trial timed before a template change measured other code: it is skipped, never shipped on
+    the strength of another kernel's time (the tuner re-measures such leaders first).
+    """
+    for t in db.ranked_trials(session, fingerprint, case.key):
+        if t.source_hash == render.source_hash(render.render_variant(Variant.from_dict(t.params))):
+            return t
+    return None
+
+
+def stale_leaders(session: Session, fingerprint: str, case: Case, n: int = 3) -> list[dict]:
+    """Params of the n fastest trials whose code as rendered today was never timed: worth re-timing."""
+    out = []
+    for t in db.ranked_trials(session, fingerprint, case.key)[:n]:
+        v = Variant.from_dict(t.params)
+        digest = render.source_hash(render.render_variant(v))
+        if t.source_hash != digest and db.cached_result(session, fingerprint, case.key, digest) is None:
+            out.append(v.as_dict())
+    return out
+
+
 def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None = None,
          out_dir: Path = OUT_DIR) -> Path:
     """Render the module of the best verified variant of each case measured on `fingerprint`."""
-    best = db.best_trials(session, fingerprint, [c.key for c in cases])
+    best = {c.key: t for c in cases if (t := current_best(session, fingerprint, c)) is not None}
     tuned = sorted((c for c in cases if c.key in best), key=lambda c: c.T)
     if not tuned:
         raise LookupError(f"no verified trial on {fingerprint} for any of the {len(cases)} cases; "

@@ -20,6 +20,8 @@ class Param:
     doc: str
     # The case dimension no useful value exceeds (rounded up to a power of two), if any.
     cap: str | None = None
+    # The value that trials recorded before this parameter existed ran with.
+    default: object = None
 
 
 PARAMS: tuple[Param, ...] = (
@@ -37,11 +39,15 @@ PARAMS: tuple[Param, ...] = (
     Param("g1_group_m", (1, 4, 8, 16), "GEMM1 tile swizzle: row tiles visited together so weight tiles stay in L2"),
     Param("g1_num_warps", (4, 8), "GEMM1 warps per program"),
     Param("g1_num_stages", (2, 3, 4, 5), "GEMM1 software-pipeline depth (shared-memory buffers)"),
+    Param("g1_weight_tma", (False, True),
+          "GEMM1 loads w13 tiles through a TMA tensor descriptor (bulk copy engine) instead of pointers",
+          default=False),
     Param("g2_block_n", (32, 64, 128, 256), "GEMM2 output columns per tile (of H)", "H"),
     Param("g2_block_k", (32, 64, 128, 256), "GEMM2 reduction step over I", "I"),
     Param("g2_group_m", (1, 4, 8, 16), "GEMM2 tile swizzle"),
     Param("g2_num_warps", (4, 8), "GEMM2 warps per program"),
     Param("g2_num_stages", (2, 3, 4, 5), "GEMM2 software-pipeline depth"),
+    Param("g2_weight_tma", (False, True), "GEMM2 loads w2 tiles through a TMA tensor descriptor", default=False),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -66,6 +72,8 @@ class Variant:
     g2_group_m: int
     g2_num_warps: int
     g2_num_stages: int
+    g1_weight_tma: bool = False
+    g2_weight_tma: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,6 +81,7 @@ class Variant:
     @classmethod
     def from_dict(cls, d: dict) -> Variant:
         names = {f.name for f in fields(cls)}
+        d = {**{p.name: p.default for p in PARAMS if p.default is not None}, **d}
         missing = names - d.keys()
         if missing:
             raise ValueError(f"variant is missing {sorted(missing)}")
@@ -84,15 +93,17 @@ class Variant:
         return {
             "BLOCK_N": getattr(self, p + "block_n"), "BLOCK_K": getattr(self, p + "block_k"),
             "GROUP_M": getattr(self, p + "group_m"), "num_warps": getattr(self, p + "num_warps"),
-            "num_stages": getattr(self, p + "num_stages"),
+            "num_stages": getattr(self, p + "num_stages"), "weight_tma": getattr(self, p + "weight_tma"),
         }
 
     @property
     def label(self) -> str:
         g1, g2 = self.gemm(1), self.gemm(2)
-        return (f"{self.dispatch}/{self.activation} M{self.block_m} "
-                f"g1 {g1['BLOCK_N']}x{g1['BLOCK_K']} G{g1['GROUP_M']} w{g1['num_warps']} s{g1['num_stages']} "
-                f"g2 {g2['BLOCK_N']}x{g2['BLOCK_K']} G{g2['GROUP_M']} w{g2['num_warps']} s{g2['num_stages']}")
+        def gemm(g):
+            tma = " tma" if g["weight_tma"] else ""
+            return f"{g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}{tma}"
+
+        return f"{self.dispatch}/{self.activation} M{self.block_m} g1 {gemm(g1)} g2 {gemm(g2)}"
 
 
 def _next_pow2(n: int) -> int:
@@ -127,6 +138,12 @@ def violations(v: Variant, case: Case) -> list[str]:
         acc = b_tiles * v.block_m * g["BLOCK_N"] // (32 * g["num_warps"])
         if acc > MAX_ACC_PER_THREAD:
             bad.append(f"GEMM{which} holds {acc} accumulators per thread > {MAX_ACC_PER_THREAD}")
+        if g["weight_tma"]:
+            if g["BLOCK_K"] * s.elem_bytes > target.TMA_MAX_INNER_BYTES:
+                bad.append(f"g{which}_block_k={g['BLOCK_K']} is wider than a TMA box row "
+                           f"({target.TMA_MAX_INNER_BYTES} B)")
+            if (k * s.elem_bytes) % 16:
+                bad.append(f"TMA needs 16-byte aligned weight rows; K={k} is not")
     return bad
 
 

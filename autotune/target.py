@@ -17,6 +17,8 @@ import triton
 # Hopper (sm_90) lets one block opt in to 227 KB of shared memory; Triton reserves a little for
 # its barriers, so configurations are sized against this and rejected above it before compiling.
 HOPPER_SMEM_BYTES = 227 * 1024
+# With 128-byte shared-memory swizzling a TMA box row spans at most 128 bytes (64 bf16 elements).
+TMA_MAX_INNER_BYTES = 128
 # The interpreter has no shared-memory limit; use Hopper's so the CPU prunes what the GPU would.
 DEFAULT_SMEM_BYTES = HOPPER_SMEM_BYTES
 

@@ -15,7 +15,7 @@ import optuna
 from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
-from . import db, render, space, target
+from . import db, emit, render, space, target
 from .runner import Runner
 from .workloads import Case
 
@@ -94,6 +94,9 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     if not study.get_trials(deepcopy=False):
         for v in space.starting_points(case):
             study.enqueue_trial(v.as_dict())
+    # Leaders timed before the templates last changed go first: their new code is unmeasured.
+    for params in emit.stale_leaders(session, fp.key, case):
+        study.enqueue_trial(params)
     done = _finished(study)
     log(f"[{case.key}] study {name}: {done} trials done, target {cfg.trials}")
     rejects = 0

@@ -17,12 +17,13 @@ DEVICE = target.device()
 DTYPES = (torch.bfloat16,) if GPU else (torch.float16, torch.float32)
 
 
-def small_variant(dispatch="fused", activation="fused", block_m=16, bn=32, bk=32, group_m=4) -> Variant:
-    return Variant(dispatch, activation, block_m, bn, bk, group_m, 4, 2, bn, bk, group_m, 4, 2)
+def small_variant(dispatch="fused", activation="fused", tma=False, block_m=16, bn=32, bk=32, group_m=4) -> Variant:
+    return Variant(dispatch, activation, block_m, bn, bk, group_m, 4, 2, bn, bk, group_m, 4, 2, tma, tma)
 
 
-# One variant of every structural form: (dispatch, activation).
-FORMS = [("fused", "fused"), ("fused", "split"), ("split", "fused"), ("split", "split")]
+# One variant of every structural form: (dispatch, activation, weights by TMA descriptor).
+FORMS = [("fused", "fused", False), ("fused", "split", False), ("split", "fused", False), ("split", "split", False),
+         ("fused", "fused", True), ("split", "split", True)]
 
 
 @pytest.fixture(scope="session")

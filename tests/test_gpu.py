@@ -14,6 +14,8 @@ VARIANTS = {
     "fused/fused small": Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4),
     "fused/fused large": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3),
     "split/split": Variant("split", "split", 64, 128, 64, 8, 4, 3, 128, 64, 8, 4, 3),
+    "fused/fused tma": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3, True, True),
+    "split/split tma": Variant("split", "split", 16, 64, 64, 1, 4, 4, 64, 64, 1, 4, 4, True, True),
 }
 
 
@@ -23,7 +25,7 @@ def seed16_weights():
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-@pytest.mark.parametrize("T", [1, 7, 300, 4096])
+@pytest.mark.parametrize("T", [1, 7, 300, 4096])  # 1 and 7: one-program dispatch
 def test_seed16_bf16_matches_reference(seed16_weights, name, T):
     module = render.load_source(render.render_variant(VARIANTS[name]))
     x, w, ids = make_tokens(Case(SEED16_SHAPE, T, seed=T), target.device())

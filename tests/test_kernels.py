@@ -56,7 +56,7 @@ def test_dispatch_exact(form_modules, E, T, k, block_m):
     gen = torch.Generator().manual_seed(E * T)
     ids = torch.randint(-1, E + 2, (T, k), generator=gen)  # includes -1 and out-of-range ids
     ids[0, 0] = 2**32 + 1  # must not wrap around to expert 1 when narrowed
-    module = form_modules[("fused", "fused")]
+    module = form_modules[("fused", "fused", False)]
     sorted_slots, block_expert, block_rows = module.dispatch(ids.to(DEVICE), E, block_m)
     want_expert, want_rows, want_slots = torch_dispatch(ids, E, block_m)
     n = want_expert.numel()
@@ -69,7 +69,7 @@ def test_dispatch_exact(form_modules, E, T, k, block_m):
 
 
 class TestEdgeCases:
-    module_form = ("fused", "fused")
+    module_form = ("fused", "fused", False)
 
     @pytest.fixture
     def module(self, form_modules):

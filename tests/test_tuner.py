@@ -123,3 +123,21 @@ def test_bf16_refused_without_gpu(capsys):
     assert torch.cuda.is_available() is False
     with pytest.raises(SystemExit, match="bf16 cannot run here"):
         cli.main(["tune", "--shape", "4,32,32,2", "--tokens", "1"])
+
+
+def test_trials_of_older_templates_are_not_shipped(tuned_db):
+    """A trial whose recorded source differs from today's rendering measured other code: emit skips
+    it and the tuner queues it for re-timing."""
+    url, _, _ = tuned_db
+    case = CASES[0]
+    with Session(db.connect(url)) as s:
+        current = emit.current_best(s, target.fingerprint().key, case)
+        fake = db.record_trial(s, run_id=current.run_id, study=current.study, fingerprint=current.fingerprint,
+                               case_key=case.key, case=case.as_dict(), params=current.params, label=current.label,
+                               source_hash="0" * 16, status="ok", median_ms=current.median_ms / 100)
+        try:
+            assert emit.current_best(s, target.fingerprint().key, case).id == current.id
+            assert emit.stale_leaders(s, target.fingerprint().key, case) == []  # today's code is measured
+        finally:
+            s.delete(fake)
+            s.commit()
