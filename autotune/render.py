@@ -20,7 +20,7 @@ import jinja2
 from .space import Variant
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
-GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "weight_tma")
+GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "weight_tma", "persistent")
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
@@ -39,24 +39,28 @@ class Row:
     v: Variant
 
 
-def _weights_doc(tma: bool) -> str:
-    return "weight tiles by TMA descriptor" if tma else "weight tiles by pointer loads"
+def _weights_doc(tma: bool, persistent: bool) -> str:
+    loads = "weight tiles by TMA descriptor" if tma else "weight tiles by pointer loads"
+    return loads + (";\n    persistent over the used tiles" if persistent else "; one program per tile")
 
 
-def _gemm1_form(dispatch: str, activation: str, tma: bool) -> dict:
+def _gemm1_form(dispatch: str, activation: str, tma: bool, persistent: bool) -> dict:
     gather, swiglu = dispatch == "fused", activation == "fused"
     rows = "gathers token rows through sorted_slots" if gather else "reads rows already in expert order"
     epilogue = ("applies SwiGLU in the epilogue and writes h [M, I]" if swiglu
                 else "writes gate and up [M, 2I] for the activation kernel")
     return {
-        "name": f"_gemm1_{'gather' if gather else 'grouped'}_{'swiglu' if swiglu else 'gate_up'}{'_tma' * tma}",
-        "gather": gather, "swiglu": swiglu, "tma": tma, "dispatch": dispatch, "activation": activation,
-        "rows": rows, "epilogue": epilogue, "weights": _weights_doc(tma),
+        "name": f"_gemm1_{'gather' if gather else 'grouped'}_{'swiglu' if swiglu else 'gate_up'}"
+                f"{'_tma' * tma}{'_persistent' * persistent}",
+        "gather": gather, "swiglu": swiglu, "tma": tma, "persistent": persistent,
+        "dispatch": dispatch, "activation": activation,
+        "rows": rows, "epilogue": epilogue, "weights": _weights_doc(tma, persistent),
     }
 
 
-def _gemm2_form(tma: bool) -> dict:
-    return {"name": f"_gemm2_weighted{'_tma' * tma}", "tma": tma, "weights": _weights_doc(tma)}
+def _gemm2_form(tma: bool, persistent: bool) -> dict:
+    return {"name": f"_gemm2_weighted{'_tma' * tma}{'_persistent' * persistent}", "tma": tma,
+            "persistent": persistent, "weights": _weights_doc(tma, persistent)}
 
 
 def render_module(rows: list[Row], title: str, header: list[str]) -> str:
@@ -64,16 +68,17 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     if not rows:
         raise ValueError("a module needs at least one variant")
     rows = sorted(rows, key=lambda r: r.max_tokens)
-    forms1 = sorted({(r.v.dispatch, r.v.activation, r.v.g1_weight_tma) for r in rows})
-    forms2 = sorted({r.v.g2_weight_tma for r in rows})
+    forms1 = sorted({(r.v.dispatch, r.v.activation, r.v.g1_weight_tma, r.v.g1_persistent) for r in rows})
+    forms2 = sorted({(r.v.g2_weight_tma, r.v.g2_persistent) for r in rows})
     return _ENV.get_template("module.py.j2").render(
         title=title,
         header=header,
         rows=[Row("float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens), r.v) for r in rows],
         gemm_keys=GEMM_KEYS,
         gemm1_forms=[_gemm1_form(*f) for f in forms1],
-        gemm2_forms=[_gemm2_form(f) for f in forms2],
+        gemm2_forms=[_gemm2_form(*f) for f in forms2],
         any_tma=any(r.v.g1_weight_tma or r.v.g2_weight_tma for r in rows),
+        any_persistent=any(r.v.g1_persistent or r.v.g2_persistent for r in rows),
         split_dispatch=any(r.v.dispatch == "split" for r in rows),
         split_activation=any(r.v.activation == "split" for r in rows),
     )

@@ -42,12 +42,16 @@ PARAMS: tuple[Param, ...] = (
     Param("g1_weight_tma", (False, True),
           "GEMM1 loads w13 tiles through a TMA tensor descriptor (bulk copy engine) instead of pointers",
           default=False),
+    Param("g1_persistent", (False, True),
+          "GEMM1 runs one program per SM over the used tiles, the next tile's loads overlapping this "
+          "tile's epilogue, instead of one program per tile", default=False),
     Param("g2_block_n", (32, 64, 128, 256), "GEMM2 output columns per tile (of H)", "H"),
     Param("g2_block_k", (32, 64, 128, 256), "GEMM2 reduction step over I", "I"),
     Param("g2_group_m", (1, 4, 8, 16), "GEMM2 tile swizzle"),
     Param("g2_num_warps", (4, 8), "GEMM2 warps per program"),
     Param("g2_num_stages", (2, 3, 4, 5), "GEMM2 software-pipeline depth"),
     Param("g2_weight_tma", (False, True), "GEMM2 loads w2 tiles through a TMA tensor descriptor", default=False),
+    Param("g2_persistent", (False, True), "GEMM2 runs one program per SM over the used tiles", default=False),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -74,6 +78,8 @@ class Variant:
     g2_num_stages: int
     g1_weight_tma: bool = False
     g2_weight_tma: bool = False
+    g1_persistent: bool = False
+    g2_persistent: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -94,6 +100,7 @@ class Variant:
             "BLOCK_N": getattr(self, p + "block_n"), "BLOCK_K": getattr(self, p + "block_k"),
             "GROUP_M": getattr(self, p + "group_m"), "num_warps": getattr(self, p + "num_warps"),
             "num_stages": getattr(self, p + "num_stages"), "weight_tma": getattr(self, p + "weight_tma"),
+            "persistent": getattr(self, p + "persistent"),
         }
 
     @property
@@ -101,7 +108,9 @@ class Variant:
         g1, g2 = self.gemm(1), self.gemm(2)
         def gemm(g):
             tma = " tma" if g["weight_tma"] else ""
-            return f"{g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}{tma}"
+            persistent = " persistent" if g["persistent"] else ""
+            return (f"{g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}"
+                    f"{tma}{persistent}")
 
         return f"{self.dispatch}/{self.activation} M{self.block_m} g1 {gemm(g1)} g2 {gemm(g2)}"
 

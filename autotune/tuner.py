@@ -28,6 +28,7 @@ MAX_REJECTS_PER_TRIAL = 20
 class TuneConfig:
     storage_url: str
     trials: int = 30  # total per case: a resumed study only runs what is missing
+    more: int | None = None  # if set, run this many trials per case beyond those already done
     time_budget_s: float | None = None  # for the whole run, shared out over the remaining cases
     seed: int = 0
     isolate: bool = True
@@ -95,12 +96,14 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
         for v in space.starting_points(case):
             study.enqueue_trial(v.as_dict())
     # Leaders timed before the templates last changed go first: their new code is unmeasured.
-    for params in emit.stale_leaders(session, fp.key, case):
+    # Then the leader with each parameter added since it was measured set to its other values.
+    for params in emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case):
         study.enqueue_trial(params)
     done = _finished(study)
-    log(f"[{case.key}] study {name}: {done} trials done, target {cfg.trials}")
+    target_trials = done + cfg.more if cfg.more is not None else cfg.trials
+    log(f"[{case.key}] study {name}: {done} trials done, target {target_trials}")
     rejects = 0
-    while done < cfg.trials and rejects < MAX_REJECTS_PER_TRIAL * cfg.trials:
+    while done < target_trials and rejects < MAX_REJECTS_PER_TRIAL * target_trials:
         if deadline is not None and time.monotonic() > deadline:
             log(f"[{case.key}] time budget reached after {done} trials")
             break
@@ -136,11 +139,35 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             study.tell(trial, state=TrialState.FAIL)
         db.record_trial(session, **row)
         done += 1
-        log(_progress(case, done, cfg.trials, v, row, study))
+        log(_progress(case, done, target_trials, v, row, study))
     try:
         return study.best_value
     except ValueError:
         return math.nan
+
+
+def _new_dimension_probes(session, fp, case) -> list[dict]:
+    """The case's fastest trial with each parameter it predates set to that parameter's other values.
+
+    A new dimension otherwise waits for the sampler to stumble on it; probing it from the best known
+    point answers "does it help here" in a trial or two. Probes already measured are skipped.
+    """
+    ranked = db.ranked_trials(session, fp.key, case.key)
+    if not ranked:
+        return []
+    leader = ranked[0]
+    probes = []
+    for p in space.PARAMS:
+        if p.default is None or p.name in leader.params:
+            continue
+        for value in p.choices:
+            if value == p.default:
+                continue
+            v = space.Variant.from_dict({**leader.params, p.name: value})
+            digest = render.source_hash(render.render_variant(v))
+            if not space.violations(v, case) and db.cached_result(session, fp.key, case.key, digest) is None:
+                probes.append(v.as_dict())
+    return probes
 
 
 def _row(run, name, fp, case, trial, v, digest, status, error) -> dict:

@@ -17,13 +17,16 @@ DEVICE = target.device()
 DTYPES = (torch.bfloat16,) if GPU else (torch.float16, torch.float32)
 
 
-def small_variant(dispatch="fused", activation="fused", tma=False, block_m=16, bn=32, bk=32, group_m=4) -> Variant:
-    return Variant(dispatch, activation, block_m, bn, bk, group_m, 4, 2, bn, bk, group_m, 4, 2, tma, tma)
+def small_variant(dispatch="fused", activation="fused", tma=False, persistent=False,
+                  block_m=16, bn=32, bk=32, group_m=4) -> Variant:
+    return Variant(dispatch, activation, block_m, bn, bk, group_m, 4, 2, bn, bk, group_m, 4, 2,
+                   tma, tma, persistent, persistent)
 
 
-# One variant of every structural form: (dispatch, activation, weights by TMA descriptor).
-FORMS = [("fused", "fused", False), ("fused", "split", False), ("split", "fused", False), ("split", "split", False),
-         ("fused", "fused", True), ("split", "split", True)]
+# Every structural form: (dispatch, activation, weights by TMA descriptor, persistent GEMMs).
+FORMS = [("fused", "fused", False, False), ("fused", "split", False, False), ("split", "fused", False, False),
+         ("split", "split", False, False), ("fused", "fused", True, False), ("split", "split", True, False),
+         ("fused", "fused", False, True), ("fused", "split", True, True)]
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,10 @@ VARIANTS = {
     "split/split": Variant("split", "split", 64, 128, 64, 8, 4, 3, 128, 64, 8, 4, 3),
     "fused/fused tma": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3, True, True),
     "split/split tma": Variant("split", "split", 16, 64, 64, 1, 4, 4, 64, 64, 1, 4, 4, True, True),
+    "fused/fused persistent": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                      False, False, True, True),
+    "fused/fused tma persistent": Variant("fused", "fused", 64, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                          True, True, True, True),
 }
 
 

@@ -56,10 +56,11 @@ def test_dispatch_exact(form_modules, E, T, k, block_m):
     gen = torch.Generator().manual_seed(E * T)
     ids = torch.randint(-1, E + 2, (T, k), generator=gen)  # includes -1 and out-of-range ids
     ids[0, 0] = 2**32 + 1  # must not wrap around to expert 1 when narrowed
-    module = form_modules[("fused", "fused", False)]
-    sorted_slots, block_expert, block_rows = module.dispatch(ids.to(DEVICE), E, block_m)
+    module = form_modules[("fused", "fused", False, False)]
+    sorted_slots, block_expert, block_rows, num_blocks = module.dispatch(ids.to(DEVICE), E, block_m)
     want_expert, want_rows, want_slots = torch_dispatch(ids, E, block_m)
     n = want_expert.numel()
+    assert int(num_blocks) == n
     assert torch.equal(block_expert[:n].cpu(), want_expert)
     assert torch.equal(block_rows[:n].cpu(), want_rows)
     assert (block_expert[n:] == -1).all() and (block_rows[n:] == 0).all()
@@ -69,7 +70,7 @@ def test_dispatch_exact(form_modules, E, T, k, block_m):
 
 
 class TestEdgeCases:
-    module_form = ("fused", "fused", False)
+    module_form = ("fused", "fused", False, False)
 
     @pytest.fixture
     def module(self, form_modules):

@@ -141,3 +141,23 @@ def test_trials_of_older_templates_are_not_shipped(tuned_db):
         finally:
             s.delete(fake)
             s.commit()
+
+
+def test_new_parameters_are_probed_from_the_leader(tuned_db):
+    """A leader measured before a parameter existed is re-tried with that parameter's other values."""
+    from autotune import space, tuner
+
+    url, _, _ = tuned_db
+    case = CASES[1]
+    with Session(db.connect(url)) as s:
+        current = emit.current_best(s, target.fingerprint().key, case)
+        old_params = {k: v for k, v in current.params.items() if k != "g2_persistent"}
+        fake = db.record_trial(s, run_id=current.run_id, study=current.study, fingerprint=current.fingerprint,
+                               case_key=case.key, case=case.as_dict(), params=old_params, label=current.label,
+                               source_hash="1" * 16, status="ok", median_ms=current.median_ms / 100)
+        try:
+            probes = tuner._new_dimension_probes(s, target.fingerprint(), case)
+            assert probes == [space.Variant.from_dict({**old_params, "g2_persistent": True}).as_dict()]
+        finally:
+            s.delete(fake)
+            s.commit()
