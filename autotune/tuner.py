@@ -100,11 +100,13 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     for params in emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case):
         study.enqueue_trial(params)
     done = _finished(study)
+    first_done = done
     target_trials = done + cfg.more if cfg.more is not None else cfg.trials
     log(f"[{case.key}] study {name}: {done} trials done, target {target_trials}")
     rejects = 0
     while done < target_trials and rejects < MAX_REJECTS_PER_TRIAL * target_trials:
-        if deadline is not None and time.monotonic() > deadline:
+        # Past the deadline a case still gets one trial: its leader re-timed on today's templates.
+        if deadline is not None and time.monotonic() > deadline and done > first_done:
             log(f"[{case.key}] time budget reached after {done} trials")
             break
         trial = study.ask()
