@@ -2,6 +2,7 @@
 the database rows, `show`, the CLI, and trial isolation (a crashing or hanging variant)."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,17 @@ def test_new_parameters_are_probed_from_the_leader(tuned_db):
         finally:
             s.delete(fake)
             s.commit()
+
+
+def test_committed_module_is_what_the_committed_database_emits(tmp_path):
+    """What is shipped is what was timed: re-emitting from db/moe_tune.sqlite3 renders the committed
+    module line for line (but the emission time), so every kernel in it was measured as rendered."""
+    committed = emit.OUT_DIR / "h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
+    if not committed.exists() or not Path(db.GPU_URL.removeprefix("sqlite:///")).exists():
+        pytest.skip("no committed H200 module or database")
+    from autotune.workloads import seed16
+
+    with Session(db.connect(db.GPU_URL)) as s:
+        fresh = emit.emit(s, "H200-sm90-triton3.6.0", seed16(), committed.stem, tmp_path)
+    strip = lambda text: [line for line in text.splitlines() if " emitted " not in line]  # noqa: E731
+    assert strip(fresh.read_text()) == strip(committed.read_text())
