@@ -24,7 +24,7 @@ from . import target
 from .peers import PEERS, Peer
 from .reference import error_stats, moe_reference
 from .timing import Timing, time_fn
-from .workloads import Case, make_tokens, make_weights
+from .workloads import Case, experts_touched, make_tokens, make_weights
 
 # Our GEMM must agree with torch.matmul this closely before its rate counts: both accumulate in
 # fp32 and round to 16 bits once, which leaves a relative L2 difference near 2^-9.
@@ -275,12 +275,6 @@ def _measure(fn, args, ref_TH, case: Case, floor: float, bytes_moved: int, *, gr
     entry.update(ok=True, ms=timing.median_ms, timing=timing.as_dict(), pct_sol=floor / timing.median_ms * 100,
                  tflops=case.flops / sec / 1e12, tbps=bytes_moved / sec / 1e12)
     return entry
-
-
-def experts_touched(ids_TK: torch.Tensor, E: int) -> int:
-    """Distinct ids in [0, E): the experts whose weights a case must read."""
-    ids = ids_TK[(ids_TK >= 0) & (ids_TK < E)]
-    return int(torch.unique(ids).numel())
 
 
 def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, reps, warmup) -> dict:

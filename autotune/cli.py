@@ -156,6 +156,19 @@ def cmd_show(args) -> int:
     return 0
 
 
+def cmd_space(args) -> int:
+    from . import space, workloads
+
+    case = _cases(args)[0] if args.shape else None
+    print(f"{'parameter':<16} {'choices':<28} what it is for")
+    for p in space.PARAMS:
+        values = space.choices(p, case) if case else p.choices
+        print(f"{p.name:<16} {', '.join(map(str, values)):<28} {p.doc}")
+    if case is None:
+        print(f"\n(choices capped per case by its dimensions: pass --shape; e.g. {workloads.SEED16_SHAPE.key})")
+    return 0
+
+
 def _case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", help="E,H,I,k of a model (default: seed16 on a GPU, a tiny demo on the CPU)")
     p.add_argument("--tokens", help="token counts, e.g. 1,16,512 (default: the suite's)")
@@ -201,6 +214,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--history", type=int, default=0, help="also list the last N trials")
     p.add_argument("--case-key", help="limit the history to one case key")
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("space", help="the declared variant space: every parameter, its values and purpose")
+    _case_args(p)
+    p.set_defaults(func=cmd_space)
 
     p = sub.add_parser("check", help="check an emitted module against the fp32 reference on fresh inputs")
     _case_args(p)

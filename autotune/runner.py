@@ -18,7 +18,7 @@ import triton
 from . import render, target
 from .reference import BAR, error_stats, moe_reference
 from .timing import time_fn
-from .workloads import Case, make_tokens, make_weights
+from .workloads import Case, experts_touched, make_tokens, make_weights
 
 # Verification uses inputs drawn apart from the timed ones: a fresh weight seed and token seed.
 VERIFY_WEIGHT_SEED = 1
@@ -59,8 +59,7 @@ class _CaseState:
             self.verify_tokens = make_tokens(case, dev, seed_offset=VERIFY_TOKEN_OFFSET)
             x, w, ids = self.verify_tokens
             self.reference = moe_reference(x, *self.verify_weights, w, ids)
-            ids = self.tokens[2]
-            self.experts_touched = int(torch.unique(ids[(ids >= 0) & (ids < case.shape.E)]).numel())
+            self.experts_touched = experts_touched(self.tokens[2], case.shape.E)
             self.case = case
 
 

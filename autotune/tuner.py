@@ -55,14 +55,6 @@ def _finished(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)))
 
 
-def floor_ms(experts_touched: int, case: Case, ceilings: dict | None) -> float | None:
-    """The case's roofline floor under the run's measured ceilings (None without ceilings)."""
-    if not ceilings:
-        return None
-    return 1e3 * max(case.bytes_moved(experts_touched) / ceilings["read_bytes_per_s"],
-                     case.flops / ceilings["matmul_flops_per_s"])
-
-
 def tune(cases: list[Case], cfg: TuneConfig, log=_log) -> dict[str, float]:
     """Tune every case to `cfg.trials` finished trials (or the time budget); returns best ms per case."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -135,7 +127,7 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             row.update(median_ms=t["median_ms"], p10_ms=t["p10_ms"], p90_ms=t["p90_ms"], mean_ms=t["mean_ms"],
                        std_ms=t["std_ms"], reps=t["reps"], timing_method=t["method"],
                        samples_ms=list(t["samples_ms"]),
-                       floor_ms=floor_ms(result.experts_touched, case, ceilings))
+                       floor_ms=_floor_ms(case, result.experts_touched, ceilings))
             study.tell(trial, t["median_ms"])
         else:
             study.tell(trial, state=TrialState.FAIL)
@@ -146,6 +138,15 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
         return study.best_value
     except ValueError:
         return math.nan
+
+
+def _floor_ms(case: Case, experts_touched: int, ceilings: dict | None) -> float | None:
+    """The case's floor under the run's ceilings (the worker sends them as a dict); None without."""
+    if not ceilings:
+        return None
+    from .bench import Ceilings, floor_ms
+
+    return floor_ms(case, experts_touched, Ceilings(**ceilings))
 
 
 def _new_dimension_probes(session, fp, case) -> list[dict]:

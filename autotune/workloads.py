@@ -92,6 +92,12 @@ class Case:
         return replace(self, T=T)
 
 
+def experts_touched(ids_TK: torch.Tensor, E: int) -> int:
+    """Distinct ids in [0, E): the experts whose weights a case must read."""
+    ids = ids_TK[(ids_TK >= 0) & (ids_TK < E)]
+    return int(torch.unique(ids).numel())
+
+
 def expected_experts_touched(shape: Shape, T: int) -> float:
     """E·(1 − (1 − k/E)^T): experts hit at least once under uniform routing."""
     return shape.E * (1.0 - (1.0 - shape.k / shape.E) ** T)

@@ -1,0 +1,55 @@
+"""The declared space: one Param per Variant field, per-case caps, pruning rules, old rows."""
+
+import dataclasses
+
+from conftest import small_variant
+
+from autotune import cli, space
+from autotune.workloads import SEED16_SHAPE, Case, Shape
+
+
+def test_every_variant_field_is_declared_once():
+    assert {p.name for p in space.PARAMS} == {f.name for f in dataclasses.fields(space.Variant)}
+    assert len(space.PARAMS) == len(space.PARAM_BY_NAME)
+
+
+def test_choices_are_capped_by_the_case():
+    tiny = Case(Shape(E=4, H=32, I=16, k=2, dtype="float16"), T=3)
+    caps = {p.name: space.choices(p, tiny) for p in space.PARAMS}
+    assert caps["block_m"] == (16,)  # 6 slots: no tile taller than 16 rows is useful
+    assert caps["g1_block_k"] == (32,) and caps["g2_block_k"] == (32,)  # K = 32 and 16 -> the smallest
+    assert caps["dispatch"] == ("fused", "split")
+    big = Case(SEED16_SHAPE, T=32768)
+    assert all(space.choices(p, big) == p.choices for p in space.PARAMS)
+
+
+def test_violations_name_the_reason():
+    case = Case(SEED16_SHAPE, T=4096)
+    fat = dataclasses.replace(small_variant(block_m=128, bn=256, bk=256), g1_num_stages=5)
+    reasons = " ".join(space.violations(fat, case))
+    assert "shared memory" in reasons and "accumulators per thread" in reasons
+    tma_wide = small_variant(tma=True, bk=128)
+    assert any("TMA box row" in r for r in space.violations(tma_wide, case))
+    assert not space.violations(small_variant(), case)
+
+
+def test_starting_points_are_inside_the_space():
+    for T in (1, 64, 32768):
+        case = Case(SEED16_SHAPE, T)
+        points = space.starting_points(case)
+        assert points
+        for v in points:
+            assert not space.violations(v, case)
+            assert all(getattr(v, p.name) in space.choices(p, case) for p in space.PARAMS)
+
+
+def test_rows_recorded_before_a_parameter_existed_read_with_its_default():
+    old = {k: v for k, v in small_variant().as_dict().items() if k not in ("g1_persistent", "g2_weight_tma")}
+    v = space.Variant.from_dict(old)
+    assert v.g1_persistent is False and v.g2_weight_tma is False
+
+
+def test_cli_space_lists_every_parameter(capsys):
+    assert cli.main(["space"]) == 0
+    out = capsys.readouterr().out
+    assert all(p.name in out for p in space.PARAMS)
