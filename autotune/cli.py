@@ -230,6 +230,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         # Kernels can only run through the interpreter here; set before any kernel is defined.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from . import target
+
+    target.quiet_interpreter()
     args = parser().parse_args(argv)
     if getattr(args, "trials", 0) is None:
         args.trials = 40 if _gpu() else 4

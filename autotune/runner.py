@@ -99,6 +99,7 @@ def _short(exc: BaseException, limit: int = 2000) -> str:
 
 
 def _worker(conn) -> None:
+    target.quiet_interpreter()
     state = _CaseState()
     while True:
         msg = conn.recv()
