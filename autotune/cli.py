@@ -132,7 +132,8 @@ def cmd_bench(args) -> int:
 def cmd_show(args) -> int:
     from sqlalchemy.orm import Session
 
-    from . import db
+    from . import db, emit
+    from .workloads import Case
 
     with Session(db.connect(_url(args))) as session:
         fps = db.fingerprints(session)
@@ -140,11 +141,15 @@ def cmd_show(args) -> int:
             print("the database holds no runs yet")
             return 0
         for fp in fps:
-            print(f"== {fp}")
-            best = db.best_trials(session, fp)
-            rows = sorted(best.values(), key=lambda t: (t.case["shape"]["E"], t.case["T"]))
+            print(f"== {fp}: per case, the fastest trial of the code the templates render today "
+                  "(what `emit` ships)")
+            fastest = sorted(db.best_trials(session, fp).values(), key=lambda t: (t.case["shape"]["E"], t.case["T"]))
             print(f"{'case':<52} {'ms':>9} {'%SOL':>6} {'err':>8}  variant")
-            for t in rows:
+            for raw in fastest:
+                t = emit.current_best(session, fp, Case.from_dict(raw.case))
+                if t is None:
+                    print(f"{raw.case_key:<52} {'-':>9}  no trial of today's templates (re-tune to emit)")
+                    continue
                 sol = f"{100 * t.floor_ms / t.median_ms:5.1f}%" if t.floor_ms else "   n/a"
                 print(f"{t.case_key:<52} {t.median_ms:9.4f} {sol} {t.global_rel_l2:8.1e}  {t.label}")
         if args.history:
