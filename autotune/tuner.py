@@ -46,13 +46,19 @@ def _log(msg: str) -> None:
 
 
 def _fail_stale(study: optuna.Study) -> None:
-    """Trials left RUNNING by an interrupted run are marked failed so the study can go on."""
+    """Trials left RUNNING by an interrupted run are closed as failed, marked interrupted (they do
+    not count towards the target) and their point is queued again."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
         study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        if t.params:
+            study.enqueue_trial(t.params)
 
 
 def _finished(study: optuna.Study) -> int:
-    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)))
+    """Trials that ran to an answer (a time or a failure), not those cut off by an interruption."""
+    return sum(not t.user_attrs.get("interrupted")
+               for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)))
 
 
 def tune(cases: list[Case], cfg: TuneConfig, log=_log) -> dict[str, float]:

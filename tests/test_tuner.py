@@ -176,3 +176,27 @@ def test_committed_module_is_what_the_committed_database_emits(tmp_path):
         fresh = emit.emit(s, "H200-sm90-triton3.6.0", seed16(), committed.stem, tmp_path)
     strip = lambda text: [line for line in text.splitlines() if " emitted " not in line]  # noqa: E731
     assert strip(fresh.read_text()) == strip(committed.read_text())
+
+
+def test_interrupted_trial_is_failed_and_the_study_goes_on(tmp_path):
+    """A run killed mid-trial leaves it RUNNING in the database; the next run marks it failed and
+    still reaches its target."""
+    import optuna
+
+    from autotune.tuner import study_name
+
+    url = f"sqlite:///{tmp_path / 'interrupted.sqlite3'}"
+    case = CASES[0]
+    db.connect(url)
+    study = optuna.create_study(study_name=study_name(case, target.fingerprint()), storage=url,
+                                direction="minimize")
+    from autotune import space
+
+    cut_off = study.ask()  # the trial the "killed" run was in the middle of
+    point = space.suggest(cut_off, case).as_dict()
+    tune([case], TuneConfig(storage_url=url, trials=1, isolate=False, reps=1), log=lambda m: None)
+    trials = optuna.load_study(study_name=study.study_name, storage=url).trials
+    assert [t.state for t in trials].count(optuna.trial.TrialState.RUNNING) == 0
+    assert trials[0].user_attrs.get("interrupted") is True
+    retried = [t for t in trials[1:] if t.params == point]  # the cut-off point is run again
+    assert retried and retried[0].state != optuna.trial.TrialState.RUNNING
