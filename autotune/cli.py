@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 
-def _cases(args):
+def _cases(args, compile_only: bool = False):
+    """The cases the options name; bf16 is refused without a GPU unless nothing will run."""
     from . import workloads
 
     if args.shape:
@@ -24,7 +25,7 @@ def _cases(args):
         shape, tokens = workloads.DEMO_SHAPE, workloads.DEMO_TOKENS
         if args.tokens:
             tokens = workloads.parse_tokens(args.tokens)
-    if not _gpu() and shape.dtype == "bfloat16":
+    if not _gpu() and shape.dtype == "bfloat16" and not compile_only:
         raise SystemExit("error: bf16 cannot run here: triton's interpreter returns garbage for bf16 tl.dot; "
                          "pass --dtype float16 (or float32) on a machine without a GPU")
     return workloads.suite(shape, tokens, args.routing)
@@ -174,6 +175,28 @@ def cmd_space(args) -> int:
     return 0
 
 
+def cmd_sm90(args) -> int:
+    from sqlalchemy.orm import Session
+
+    from . import db, emit, sm90, target
+    from .space import Variant
+
+    fingerprint = args.fingerprint or target.fingerprint().key
+    print(f"{'case':<12} {'kernel':<38} {'smem KB':>8} {'regs':>5} {'local B':>8} {'wgmma':>6} {'tma':>4} "
+          f"{'cp.async':>8}")
+    with Session(db.connect(_url(args))) as session:
+        for case in _cases(args, compile_only=True):
+            best = emit.current_best(session, fingerprint, case)
+            if best is None:
+                print(f"T={case.T:<10} no trial of today's templates on {fingerprint}")
+                continue
+            for r in sm90.gemm_reports(Variant.from_dict(best.params), case):
+                print(f"T={case.T:<10} {r.name:<38} {r.shared_bytes / 1024:8.1f} {r.registers or '?':>5} "
+                      f"{r.spill_bytes if r.spill_bytes is not None else '?':>8} {r.wgmma:>6} {r.tma_copies:>4} "
+                      f"{r.async_copies:>8}")
+    return 0
+
+
 def _case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", help="E,H,I,k of a model (default: seed16 on a GPU, a tiny demo on the CPU)")
     p.add_argument("--tokens", help="token counts, e.g. 1,16,512 (default: the suite's)")
@@ -219,6 +242,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--history", type=int, default=0, help="also list the last N trials")
     p.add_argument("--case-key", help="limit the history to one case key")
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("sm90", help="compile each case's shipped GEMMs for sm_90 here (no GPU needed): shared "
+                       "memory, registers, local memory, wgmma/TMA/cp.async use")
+    _case_args(p)
+    p.add_argument("--fingerprint", help="whose trials (default: this machine's)")
+    p.set_defaults(func=cmd_sm90)
 
     p = sub.add_parser("space", help="the declared variant space: every parameter, its values and purpose")
     _case_args(p)

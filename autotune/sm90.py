@@ -1,0 +1,131 @@
+"""Compile a variant's GEMM kernels for Hopper (sm_90) on any machine, GPU or not.
+
+Uses the compiler and the ptxas/cuobjdump that ship inside the triton wheel, so a CPU-only session
+can see what the H200 would run: shared memory, registers, spills, and whether the main loop is
+built from wgmma with TMA or cp.async copies. The figures are the compiler's, not timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import render
+from .space import Variant
+from .workloads import Case
+
+_TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# Pointer arguments that are not activations, by name.
+_INDEX_POINTERS = {"sorted_slots_ptr", "block_expert_ptr", "block_rows_ptr", "num_blocks_ptr"}
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    name: str
+    shared_bytes: int
+    registers: int | None
+    spill_bytes: int | None  # local-memory bytes per thread (stack frame and spills)
+    wgmma: int  # wgmma instructions in the PTX
+    tma_copies: int  # cp.async.bulk.tensor in the PTX
+    async_copies: int  # cp.async (non-bulk) in the PTX
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict]:
+    """Argument types, constexprs and divisibility hints as the JIT would specialise them at launch."""
+    dt = _TRITON_TYPES[case.shape.dtype]
+    g = v.gemm(which)
+    n, k = ((case.shape.I if v.activation == "fused" else 2 * case.shape.I), case.shape.H) if which == 1 \
+        else (case.shape.H, case.shape.I)
+    constexprs = {"BLOCK_M": v.block_m, "BLOCK_N": g["BLOCK_N"], "BLOCK_K": g["BLOCK_K"],
+                  "GROUP_M": g["GROUP_M"], "EVEN_K": k % g["BLOCK_K"] == 0}
+    if "TOP_K" in fn.arg_names:
+        constexprs["TOP_K"] = case.shape.k
+    signature, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg == "w_desc":
+            signature[arg] = f"tensordesc<{dt}[1, {g['BLOCK_N']}, {g['BLOCK_K']}]>"
+        elif arg.endswith("_ptr"):
+            signature[arg] = ("*i32" if arg in _INDEX_POINTERS else "*fp32" if arg == "topk_weights_ptr"
+                              else f"*{dt}")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "i32"
+            value = {"N": n, "K": k}.get(arg, 16)  # strides of seed16-like shapes are multiples of 16
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, local-memory bytes) from cuobjdump's resource usage, if the tool is there."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                 timeout=60, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None, None
+    reg = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    return (int(reg.group(1)) if reg else None), (int(stack.group(1)) if stack else None)
+
+
+def gemm_reports(v: Variant, case: Case) -> list[KernelReport]:
+    """Compile GEMM1 and GEMM2 of `v` for sm_90 as they would launch on `case`.
+
+    Runs in a child process with the interpreter off: where TRITON_INTERPRET=1 was set before
+    triton was imported, even triton's own library functions are interpreter objects.
+    """
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-m", "autotune.sm90", json.dumps(v.as_dict()), json.dumps(case.as_dict())],
+                         capture_output=True, text=True, env=env, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if out.returncode != 0:
+        raise RuntimeError(f"sm_90 compile failed:\n{out.stderr[-3000:]}")
+    return [KernelReport(**r) for r in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def _compile_here(v: Variant, case: Case) -> list[KernelReport]:
+    module = render.load_source(render.render_variant(v))
+    kernels = (
+        (1, module._GEMM1[(v.dispatch, v.activation, v.g1_weight_tma, v.g1_persistent)]),
+        (2, module._GEMM2[(v.g2_weight_tma, v.g2_persistent)]),
+    )
+    reports = []
+    for which, fn in kernels:
+        signature, constexprs, attrs = _signature(fn, case, v, which)
+        g = v.gemm(which)
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": g["num_warps"], "num_stages": g["num_stages"]},
+        )
+        ptx = compiled.asm["ptx"]
+        registers, spill = _resource_usage(compiled.asm["cubin"])
+        reports.append(KernelReport(
+            name=fn.__name__, shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spill,
+            wgmma=ptx.count("wgmma.mma_async"), tma_copies=ptx.count("cp.async.bulk.tensor"),
+            async_copies=len(re.findall(r"cp\.async\.c[ag]", ptx)),
+        ))
+    return reports
+
+
+if __name__ == "__main__":
+    reports = _compile_here(Variant.from_dict(json.loads(sys.argv[1])), Case.from_dict(json.loads(sys.argv[2])))
+    print(json.dumps([r.as_dict() for r in reports]))
