@@ -1,17 +1,31 @@
 """Compiling for Hopper without a GPU: what the H200 would run, checked on the CPU."""
 
+import dataclasses
+
 from conftest import small_variant
 
-from autotune import sm90
+from autotune import sm90, space
 from autotune.workloads import SEED16_SHAPE, Case
 
 
 def test_large_tile_gemms_use_wgmma_and_fit_shared_memory():
-    """128-row tiles must build on wgmma; weights by TMA must show bulk tensor copies."""
-    v = small_variant(tma=True, block_m=128, bn=128, bk=64)
-    reports = sm90.gemm_reports(v, Case(SEED16_SHAPE, 4096))
+    """128-row tiles must build on wgmma; weights by TMA must show bulk tensor copies; a variant the
+    space accepts must compile without spilling."""
+    case = Case(SEED16_SHAPE, 4096)
+    v = dataclasses.replace(small_variant(tma=True, block_m=128, bn=128, bk=64), g1_num_warps=8, g2_num_warps=8)
+    assert not space.violations(v, case)
+    reports = sm90.gemm_reports(v, case)
     assert [r.name for r in reports] == ["_gemm1_gather_swiglu_tma", "_gemm2_weighted_tma"]
     for r in reports:
         assert r.wgmma > 0 and r.tma_copies > 0
         assert 0 < r.shared_bytes <= 227 * 1024
         assert r.spill_bytes in (0, None)
+
+
+def test_the_accumulator_rule_matches_the_compiler():
+    """The space rejects 256 accumulators per thread; the compiler agrees: that tile spills."""
+    case = Case(SEED16_SHAPE, 4096)
+    v = small_variant(block_m=128, bn=128, bk=64)  # 4 warps: 2 x 128 x 128 accumulators / 128 threads
+    assert any("accumulators per thread" in r for r in space.violations(v, case))
+    gemm1 = sm90.gemm_reports(v, case)[0]
+    assert gemm1.spill_bytes is None or gemm1.spill_bytes > 0
