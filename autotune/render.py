@@ -19,7 +19,10 @@ import jinja2
 
 from .space import Variant
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+_HERE = Path(__file__).resolve().parent
+# An installed wheel carries the templates inside the package; a checkout keeps them beside it.
+TEMPLATE_DIR = next((p for p in (_HERE / "templates", _HERE.parent / "templates") if p.is_dir()),
+                    _HERE.parent / "templates")
 GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "weight_tma", "persistent")
 
 _ENV = jinja2.Environment(
