@@ -34,7 +34,7 @@ def current_best(session: Session, fingerprint: str, case: Case) -> db.Trial | N
     the strength of another kernel's time (the tuner re-measures such leaders first).
     """
     for t in db.ranked_trials(session, fingerprint, case.key):
-        if t.source_hash == render.source_hash(render.render_variant(Variant.from_dict(t.params))):
+        if t.source_hash == render.variant_hash(Variant.from_dict(t.params)):
             return t
     return None
 
@@ -44,7 +44,7 @@ def stale_leaders(session: Session, fingerprint: str, case: Case, n: int = 3) ->
     out = []
     for t in db.ranked_trials(session, fingerprint, case.key)[:n]:
         v = Variant.from_dict(t.params)
-        digest = render.source_hash(render.render_variant(v))
+        digest = render.variant_hash(v)
         if t.source_hash != digest and db.cached_result(session, fingerprint, case.key, digest) is None:
             out.append(v.as_dict())
     return out

@@ -97,6 +97,11 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
+def variant_hash(v: Variant) -> str:
+    """The hash a trial of `v` records when timed on today's templates."""
+    return source_hash(render_variant(v))
+
+
 def module_cache_dir() -> Path:
     """Rendered trial modules live here (Triton reads kernel source from files)."""
     root = os.environ.get("MOE_TUNE_CACHE") or Path.home() / ".cache" / "moe-tune"

@@ -173,7 +173,7 @@ def _new_dimension_probes(session, fp, case) -> list[dict]:
             if value == p.default:
                 continue
             v = space.Variant.from_dict({**leader.params, p.name: value})
-            digest = render.source_hash(render.render_variant(v))
+            digest = render.variant_hash(v)
             if not space.violations(v, case) and db.cached_result(session, fp.key, case.key, digest) is None:
                 probes.append(v.as_dict())
     return probes
