@@ -174,9 +174,9 @@ def gemm_sm90_compile_report(tiles: GemmTiles = GPU_TILES) -> dict:
 
     Works under the interpreter too: the kernel's Python function is compiled afresh.
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
+
+    from .sm90 import compile_sm90
 
     kernel = _gemm_persistent_kernel
     kernel = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
@@ -189,11 +189,7 @@ def gemm_sm90_compile_report(tiles: GemmTiles = GPU_TILES) -> dict:
         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
     }
     constexprs = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": t.group_m}
-    compiled = triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": t.num_warps, "num_stages": t.num_stages},
-    )
+    compiled = compile_sm90(kernel, signature, constexprs, num_warps=t.num_warps, num_stages=t.num_stages)
     ptx = compiled.asm["ptx"]
     # A TMA store copies global <- shared; every other bulk tensor copy is a load.
     tma_stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")

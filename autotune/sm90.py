@@ -70,6 +70,16 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
     return signature, constexprs, attrs
 
 
+def compile_sm90(fn, signature: dict, constexprs: dict, attrs: dict | None = None, *, num_warps: int,
+                 num_stages: int):
+    """triton.compile of a JIT function for sm_90 (warp size 32), whatever GPU this machine has."""
+    return triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+
+
 def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     """(registers, local-memory bytes) from cuobjdump's resource usage, if the tool is there."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -109,13 +119,9 @@ def _compile_here(v: Variant, case: Case) -> list[KernelReport]:
     )
     reports = []
     for which, fn in kernels:
-        signature, constexprs, attrs = _signature(fn, case, v, which)
         g = v.gemm(which)
-        compiled = triton.compile(
-            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": g["num_warps"], "num_stages": g["num_stages"]},
-        )
+        compiled = compile_sm90(fn, *_signature(fn, case, v, which), num_warps=g["num_warps"],
+                                num_stages=g["num_stages"])
         ptx = compiled.asm["ptx"]
         registers, spill = _resource_usage(compiled.asm["cubin"])
         reports.append(KernelReport(
