@@ -1,4 +1,4 @@
-"""`moe-tune`: tune, emit, bench, show, check. Thin: parse, call, print."""
+"""`moe-tune`: tune, emit, bench, show, check, space, sm90. Thin: parse, call, print."""
 
 from __future__ import annotations
 
@@ -15,16 +15,13 @@ def _cases(args, compile_only: bool = False):
     from . import workloads
 
     if args.shape:
-        shape = workloads.parse_shape(args.shape, args.dtype)
-        tokens = workloads.parse_tokens(args.tokens) if args.tokens else workloads.SEED16_TOKENS
+        shape, tokens = workloads.parse_shape(args.shape, args.dtype), workloads.SEED16_TOKENS
     elif _gpu():
         shape, tokens = workloads.SEED16_SHAPE, workloads.SEED16_TOKENS
-        if args.tokens:
-            tokens = workloads.parse_tokens(args.tokens)
     else:
         shape, tokens = workloads.DEMO_SHAPE, workloads.DEMO_TOKENS
-        if args.tokens:
-            tokens = workloads.parse_tokens(args.tokens)
+    if args.tokens:
+        tokens = workloads.parse_tokens(args.tokens)
     if not _gpu() and shape.dtype == "bfloat16" and not compile_only:
         raise SystemExit("error: bf16 cannot run here: triton's interpreter returns garbage for bf16 tl.dot; "
                          "pass --dtype float16 (or float32) on a machine without a GPU")
