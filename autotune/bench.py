@@ -172,15 +172,17 @@ def measure_matmul_rate(n: int | None = None, *, reps: int = 20) -> MatmulRates:
 def gemm_sm90_compile_report(tiles: GemmTiles = GPU_TILES) -> dict:
     """Compile the persistent GEMM (bf16) for sm_90 without a GPU; report shared memory and TMA/wgmma use.
 
-    Works under the interpreter too: the kernel's Python function is compiled afresh.
+    Compiles in a child process, so it works under the interpreter too.
     """
-    from triton.runtime.jit import JITFunction
+    from .sm90 import in_compiler_process
 
+    return in_compiler_process("autotune.bench:_gemm_sm90_compile_here", asdict(tiles))
+
+
+def _gemm_sm90_compile_here(tiles: dict) -> dict:
     from .sm90 import compile_sm90
 
-    kernel = _gemm_persistent_kernel
-    kernel = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
-    t = tiles
+    t = GemmTiles(**tiles)
     signature = {
         "a_desc": f"tensordesc<bf16[{t.block_m}, {t.block_k}]>",
         "b_desc": f"tensordesc<bf16[{t.block_n}, {t.block_k}]>",
@@ -189,7 +191,8 @@ def gemm_sm90_compile_report(tiles: GemmTiles = GPU_TILES) -> dict:
         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
     }
     constexprs = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": t.group_m}
-    compiled = compile_sm90(kernel, signature, constexprs, num_warps=t.num_warps, num_stages=t.num_stages)
+    compiled = compile_sm90(_gemm_persistent_kernel, signature, constexprs, num_warps=t.num_warps,
+                            num_stages=t.num_stages)
     ptx = compiled.asm["ptx"]
     # A TMA store copies global <- shared; every other bulk tensor copy is a load.
     tma_stores = ptx.count("cp.async.bulk.tensor.2d.global.shared")

@@ -48,13 +48,18 @@ def _announce_cpu(what: str) -> None:
 
 
 def cmd_tune(args) -> int:
+    from . import space
     from .tuner import TuneConfig, tune
 
     cases = _cases(args)
+    try:
+        probes = tuple(space.parse_assignments(p) for p in args.probe)
+    except ValueError as e:
+        raise SystemExit(f"moe-tune tune: --probe {e}") from None
     _announce_cpu("tuning")
     cfg = TuneConfig(storage_url=_url(args), trials=args.trials, time_budget_s=args.time_budget,
                      more=args.more, seed=args.seed, isolate=not args.in_process, reps=args.reps,
-                     timeout_s=args.timeout, command=" ".join(sys.argv))
+                     timeout_s=args.timeout, command=" ".join(sys.argv), probes=probes)
     best = tune(cases, cfg)
     for key, ms in best.items():
         print(f"{key}: best {ms:.4f} ms")
@@ -217,6 +222,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=None, help="timed repeats per trial (default 20 GPU, 2 CPU)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a trial counts as hung")
     p.add_argument("--in-process", action="store_true", help="no worker process (a GPU fault ends the run)")
+    p.add_argument("--probe", action="append", default=[], metavar="PARAM=VALUE[,...]",
+                   help="also try each case's best variant with these parameters set, first (repeatable)")
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("emit", help="write the best variant per case as kernels_generated/<name>.py")

@@ -42,28 +42,36 @@ class Row:
     v: Variant
 
 
-def _weights_doc(tma: bool, persistent: bool) -> str:
-    loads = "weight tiles by TMA descriptor" if tma else "weight tiles by pointer loads"
-    return loads + (";\n    persistent over the used tiles" if persistent else "; one program per tile")
+def _weights_doc(tma: bool, a_tma: bool, persistent: bool) -> str:
+    loads = ("rows and weight tiles by TMA descriptor" if a_tma else "weight tiles by TMA descriptor" if tma
+             else "weight tiles by pointer loads")
+    return loads + (";\n    persistent over the used tiles" if persistent else ";\n    one program per tile")
 
 
 def _gemm1_form(dispatch: str, activation: str, tma: bool, persistent: bool) -> dict:
     gather, swiglu = dispatch == "fused", activation == "fused"
+    # Expert-contiguous rows can come by TMA; gathered rows cannot (sm_90 has no TMA gather).
+    a_tma = tma and not gather
+    # With TMA weights, the fused SwiGLU loads gate and up as one box and runs one dot.
+    joint = tma and swiglu
     rows = "gathers token rows through sorted_slots" if gather else "reads rows already in expert order"
     epilogue = ("applies SwiGLU in the epilogue and writes h [M, I]" if swiglu
                 else "writes gate and up [M, 2I] for the activation kernel")
+    if joint:
+        epilogue = "one dot over gate and up (a [1, 2, BLOCK_N, BLOCK_K] box);\n    " + epilogue
     return {
         "name": f"_gemm1_{'gather' if gather else 'grouped'}_{'swiglu' if swiglu else 'gate_up'}"
                 f"{'_tma' * tma}{'_persistent' * persistent}",
-        "gather": gather, "swiglu": swiglu, "tma": tma, "persistent": persistent,
+        "gather": gather, "swiglu": swiglu, "tma": tma, "a_tma": a_tma, "joint": joint, "persistent": persistent,
         "dispatch": dispatch, "activation": activation,
-        "rows": rows, "epilogue": epilogue, "weights": _weights_doc(tma, persistent),
+        "rows": rows, "epilogue": epilogue, "weights": _weights_doc(tma, a_tma, persistent),
     }
 
 
 def _gemm2_form(tma: bool, persistent: bool) -> dict:
-    return {"name": f"_gemm2_weighted{'_tma' * tma}{'_persistent' * persistent}", "tma": tma,
-            "persistent": persistent, "weights": _weights_doc(tma, persistent)}
+    # h is written in expert order, so with TMA weights its rows come by TMA too.
+    return {"name": f"_gemm2_weighted{'_tma' * tma}{'_persistent' * persistent}", "tma": tma, "a_tma": tma,
+            "joint": False, "persistent": persistent, "weights": _weights_doc(tma, tma, persistent)}
 
 
 def render_module(rows: list[Row], title: str, header: list[str]) -> str:

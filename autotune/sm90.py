@@ -7,6 +7,7 @@ built from wgmma with TMA or cp.async copies. The figures are the compiler's, no
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -49,7 +50,7 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
     n, k = ((case.shape.I if v.activation == "fused" else 2 * case.shape.I), case.shape.H) if which == 1 \
         else (case.shape.H, case.shape.I)
     constexprs = {"BLOCK_M": v.block_m, "BLOCK_N": g["BLOCK_N"], "BLOCK_K": g["BLOCK_K"],
-                  "GROUP_M": g["GROUP_M"], "EVEN_K": k % g["BLOCK_K"] == 0}
+                  "GROUP_M": g["GROUP_M"], "EVEN_K": k % g["BLOCK_K"] == 0, "PDL": v.pdl}
     if "TOP_K" in fn.arg_names:
         constexprs["TOP_K"] = case.shape.k
     signature, attrs = {}, {}
@@ -57,7 +58,11 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
         if arg in constexprs:
             signature[arg] = "constexpr"
         elif arg == "w_desc":
-            signature[arg] = f"tensordesc<{dt}[1, {g['BLOCK_N']}, {g['BLOCK_K']}]>"
+            joint = which == 1 and v.activation == "fused"
+            box = ("1, 2" if joint else "1") + f", {g['BLOCK_N']}, {g['BLOCK_K']}"
+            signature[arg] = f"tensordesc<{dt}[{box}]>"
+        elif arg in ("a_desc", "h_desc"):
+            signature[arg] = f"tensordesc<{dt}[{v.block_m}, {g['BLOCK_K']}]>"
         elif arg.endswith("_ptr"):
             signature[arg] = ("*i32" if arg in _INDEX_POINTERS else "*fp32" if arg == "topk_weights_ptr"
                               else f"*{dt}")
@@ -96,22 +101,27 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     return (int(reg.group(1)) if reg else None), (int(stack.group(1)) if stack else None)
 
 
-def gemm_reports(v: Variant, case: Case) -> list[KernelReport]:
-    """Compile GEMM1 and GEMM2 of `v` for sm_90 as they would launch on `case`.
-
-    Runs in a child process with the interpreter off: where TRITON_INTERPRET=1 was set before
-    triton was imported, even triton's own library functions are interpreter objects.
-    """
+def in_compiler_process(function: str, *args):
+    """Call `function` ("module:name", JSON arguments and result) in a child Python with the
+    interpreter off. Where TRITON_INTERPRET=1 was set before triton was imported, even triton's own
+    library functions are interpreter objects, and nothing compiles in that process."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-m", "autotune.sm90", json.dumps(v.as_dict()), json.dumps(case.as_dict())],
+    out = subprocess.run([sys.executable, "-m", "autotune.sm90", function, json.dumps(args)],
                          capture_output=True, text=True, env=env, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if out.returncode != 0:
         raise RuntimeError(f"sm_90 compile failed:\n{out.stderr[-3000:]}")
-    return [KernelReport(**r) for r in json.loads(out.stdout.strip().splitlines()[-1])]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _compile_here(v: Variant, case: Case) -> list[KernelReport]:
+def gemm_reports(v: Variant, case: Case) -> list[KernelReport]:
+    """Compile GEMM1 and GEMM2 of `v` for sm_90 as they would launch on `case`."""
+    return [KernelReport(**r) for r in in_compiler_process("autotune.sm90:_compile_here", v.as_dict(),
+                                                           case.as_dict())]
+
+
+def _compile_here(v: dict, case: dict) -> list[dict]:
+    v, case = Variant.from_dict(v), Case.from_dict(case)
     module = render.load_source(render.render_variant(v))
     kernels = (
         (1, module._GEMM1[(v.dispatch, v.activation, v.g1_weight_tma, v.g1_persistent)]),
@@ -128,10 +138,11 @@ def _compile_here(v: Variant, case: Case) -> list[KernelReport]:
             name=fn.__name__, shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spill,
             wgmma=ptx.count("wgmma.mma_async"), tma_copies=ptx.count("cp.async.bulk.tensor"),
             async_copies=len(re.findall(r"cp\.async\.c[ag]", ptx)),
-        ))
+        ).as_dict())
     return reports
 
 
 if __name__ == "__main__":
-    reports = _compile_here(Variant.from_dict(json.loads(sys.argv[1])), Case.from_dict(json.loads(sys.argv[2])))
-    print(json.dumps([r.as_dict() for r in reports]))
+    module_name, function_name = sys.argv[1].split(":")
+    result = getattr(importlib.import_module(module_name), function_name)(*json.loads(sys.argv[2]))
+    print(json.dumps(result))

@@ -31,6 +31,9 @@ PARAMS: tuple[Param, ...] = (
     Param("activation", ("fused", "split"),
           "fused: SiLU(gate)*up in GEMM1's epilogue, which writes [M, I]; split: GEMM1 writes [M, 2I] and "
           "an activation kernel reduces it"),
+    Param("pdl", (False, True),
+          "programmatic dependent launch: each kernel launches while the previous one finishes and waits "
+          "for its results on the device, hiding the launch gaps that matter at small T", default=False),
     Param("block_m", (16, 32, 64, 128),
           "rows of a tile; each expert's rows are padded to it, so both GEMMs share it", "slots"),
     Param("g1_block_n", (32, 64, 128, 256), "GEMM1 output columns per tile (of I when fused, of 2I when split)",
@@ -40,8 +43,9 @@ PARAMS: tuple[Param, ...] = (
     Param("g1_num_warps", (4, 8), "GEMM1 warps per program"),
     Param("g1_num_stages", (2, 3, 4, 5), "GEMM1 software-pipeline depth (shared-memory buffers)"),
     Param("g1_weight_tma", (False, True),
-          "GEMM1 loads w13 tiles through a TMA tensor descriptor (bulk copy engine) instead of pointers",
-          default=False),
+          "GEMM1 loads w13 tiles through TMA tensor descriptors (bulk copy engine) instead of pointers: with "
+          "the fused SwiGLU, gate and up as one box and one dot of twice the width; with split dispatch, the "
+          "expert-ordered rows by TMA too", default=False),
     Param("g1_persistent", (False, True),
           "GEMM1 runs one program per SM over the used tiles, the next tile's loads overlapping this "
           "tile's epilogue, instead of one program per tile", default=False),
@@ -50,7 +54,9 @@ PARAMS: tuple[Param, ...] = (
     Param("g2_group_m", (1, 4, 8, 16), "GEMM2 tile swizzle"),
     Param("g2_num_warps", (4, 8), "GEMM2 warps per program"),
     Param("g2_num_stages", (2, 3, 4, 5), "GEMM2 software-pipeline depth"),
-    Param("g2_weight_tma", (False, True), "GEMM2 loads w2 tiles through a TMA tensor descriptor", default=False),
+    Param("g2_weight_tma", (False, True),
+          "GEMM2 loads w2 tiles and the expert-ordered activation rows through TMA tensor descriptors",
+          default=False),
     Param("g2_persistent", (False, True), "GEMM2 runs one program per SM over the used tiles", default=False),
 )
 
@@ -80,6 +86,7 @@ class Variant:
     g2_weight_tma: bool = False
     g1_persistent: bool = False
     g2_persistent: bool = False
+    pdl: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -112,7 +119,8 @@ class Variant:
             return (f"{g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}"
                     f"{tma}{persistent}")
 
-        return f"{self.dispatch}/{self.activation} M{self.block_m} g1 {gemm(g1)} g2 {gemm(g2)}"
+        pdl = " pdl" if self.pdl else ""
+        return f"{self.dispatch}/{self.activation} M{self.block_m}{pdl} g1 {gemm(g1)} g2 {gemm(g2)}"
 
 
 def _next_pow2(n: int) -> int:
@@ -154,6 +162,22 @@ def violations(v: Variant, case: Case) -> list[str]:
             if (k * s.elem_bytes) % 16:
                 bad.append(f"TMA needs 16-byte aligned weight rows; K={k} is not")
     return bad
+
+
+def parse_assignments(text: str) -> dict:
+    """`"g1_weight_tma=True,dispatch=split"` -> {"g1_weight_tma": True, "dispatch": "split"}, each value
+    one of its parameter's choices (ValueError naming the bad part otherwise)."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        p = PARAM_BY_NAME.get(name.strip())
+        if p is None:
+            raise ValueError(f"{part!r}: no parameter {name.strip()!r} (see `moe-tune space`)")
+        match = [c for c in p.choices if str(c) == value.strip()]
+        if not match:
+            raise ValueError(f"{part!r}: {p.name} takes one of {', '.join(map(str, p.choices))}")
+        out[p.name] = match[0]
+    return out
 
 
 def _dims(case: Case) -> dict[str, int]:

@@ -35,6 +35,8 @@ class TuneConfig:
     reps: int = 20
     timeout_s: float = 900.0
     command: str = ""
+    # Each case's leader is also tried with each of these assignments (e.g. {"g1_weight_tma": True}).
+    probes: tuple[dict, ...] = ()
 
 
 def study_name(case: Case, fp: target.Fingerprint) -> str:
@@ -95,7 +97,8 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             study.enqueue_trial(v.as_dict())
     # Leaders timed before the templates last changed go first: their new code is unmeasured.
     # Then the leader with each parameter added since it was measured set to its other values.
-    for params in emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case):
+    for params in (emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
+                   + _leader_probes(session, fp, case, cfg.probes)):
         study.enqueue_trial(params)
     done = _finished(study)
     first_done = done
@@ -176,6 +179,22 @@ def _new_dimension_probes(session, fp, case) -> list[dict]:
             digest = render.variant_hash(v)
             if not space.violations(v, case) and db.cached_result(session, fp.key, case.key, digest) is None:
                 probes.append(v.as_dict())
+    return probes
+
+
+def _leader_probes(session, fp, case, assignments) -> list[dict]:
+    """The case's fastest trial with each of `assignments` applied, where that point can run the case
+    and today's code for it is unmeasured."""
+    ranked = db.ranked_trials(session, fp.key, case.key)
+    if not ranked or not assignments:
+        return []
+    probes = []
+    for change in assignments:
+        v = space.Variant.from_dict({**ranked[0].params, **change})
+        if v.as_dict() in probes or space.violations(v, case):
+            continue
+        if db.cached_result(session, fp.key, case.key, render.variant_hash(v)) is None:
+            probes.append(v.as_dict())
     return probes
 
 

@@ -18,15 +18,17 @@ DTYPES = (torch.bfloat16,) if GPU else (torch.float16, torch.float32)
 
 
 def small_variant(dispatch="fused", activation="fused", tma=False, persistent=False,
-                  block_m=16, bn=32, bk=32, group_m=4) -> Variant:
+                  block_m=16, bn=32, bk=32, group_m=4, pdl=False) -> Variant:
     return Variant(dispatch, activation, block_m, bn, bk, group_m, 4, 2, bn, bk, group_m, 4, 2,
-                   tma, tma, persistent, persistent)
+                   tma, tma, persistent, persistent, pdl)
 
 
-# Every structural form: (dispatch, activation, weights by TMA descriptor, persistent GEMMs).
+# Every structural form: (dispatch, activation, TMA descriptors, persistent GEMMs). With TMA, fused
+# SwiGLU runs one dot over a joint gate/up box, and split dispatch reads its rows by TMA as well.
 FORMS = [("fused", "fused", False, False), ("fused", "split", False, False), ("split", "fused", False, False),
          ("split", "split", False, False), ("fused", "fused", True, False), ("split", "split", True, False),
-         ("fused", "fused", False, True), ("fused", "split", True, True)]
+         ("split", "fused", True, False), ("fused", "fused", False, True), ("fused", "split", True, True),
+         ("split", "fused", True, True)]
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,12 @@ VARIANTS = {
                                       False, False, True, True),
     "fused/fused tma persistent": Variant("fused", "fused", 64, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
                                           True, True, True, True),
+    "split/fused tma pdl": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                   True, True, False, True, True),
+    "split/fused tma persistent": Variant("split", "fused", 64, 128, 64, 8, 4, 4, 128, 64, 8, 4, 4,
+                                          True, True, True, True),
+    "fused/fused small pdl": Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4, pdl=True),
+    "split/split pdl": Variant("split", "split", 64, 128, 64, 8, 4, 3, 128, 64, 8, 4, 3, pdl=True),
 }
 
 
@@ -53,10 +59,11 @@ def test_offsets_past_2_pow_31():
     assert not stats.failures(BAR), stats
 
 
-def test_cuda_graph_capture():
-    """The op never synchronises the host: it can be captured and replayed."""
+@pytest.mark.parametrize("name", ["fused/fused small", "fused/fused small pdl", "split/fused tma pdl"])
+def test_cuda_graph_capture(name):
+    """The op never synchronises the host: it can be captured and replayed (with PDL edges too)."""
     shape = Shape(E=16, H=512, I=256, k=4, dtype="bfloat16")
-    module = render.load_source(render.render_variant(VARIANTS["fused/fused small"]))
+    module = render.load_source(render.render_variant(VARIANTS[name]))
     w13, w2 = make_weights(shape, target.device(), seed=5)
     x, w, ids = make_tokens(Case(shape, 64, seed=9), target.device())
     out = torch.empty_like(x)

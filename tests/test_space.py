@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import pytest
+
 from conftest import small_variant
 
 from autotune import cli, space
@@ -53,3 +55,12 @@ def test_cli_space_lists_every_parameter(capsys):
     assert cli.main(["space"]) == 0
     out = capsys.readouterr().out
     assert all(p.name in out for p in space.PARAMS)
+
+
+def test_parse_assignments_names_the_bad_part():
+    assert space.parse_assignments("g1_weight_tma=True, dispatch=split,block_m=64") == {
+        "g1_weight_tma": True, "dispatch": "split", "block_m": 64}
+    with pytest.raises(ValueError, match="no parameter 'blockm'"):
+        space.parse_assignments("blockm=64")
+    with pytest.raises(ValueError, match="block_m takes one of 16, 32, 64, 128"):
+        space.parse_assignments("block_m=48")

@@ -152,16 +152,38 @@ def test_new_parameters_are_probed_from_the_leader(tuned_db):
     case = CASES[1]
     with Session(db.connect(url)) as s:
         current = emit.current_best(s, target.fingerprint().key, case)
-        old_params = {k: v for k, v in current.params.items() if k != "g2_persistent"}
+        # Pretend the leader predates a parameter it holds at that parameter's default.
+        new = next(p for p in space.PARAMS if p.default is not None and current.params[p.name] == p.default)
+        old_params = {k: v for k, v in current.params.items() if k != new.name}
         fake = db.record_trial(s, run_id=current.run_id, study=current.study, fingerprint=current.fingerprint,
                                case_key=case.key, case=case.as_dict(), params=old_params, label=current.label,
                                source_hash="1" * 16, status="ok", median_ms=current.median_ms / 100)
         try:
             probes = tuner._new_dimension_probes(s, target.fingerprint(), case)
-            assert probes == [space.Variant.from_dict({**old_params, "g2_persistent": True}).as_dict()]
+            assert probes == [space.Variant.from_dict({**old_params, new.name: value}).as_dict()
+                              for value in new.choices if value != new.default]
         finally:
             s.delete(fake)
             s.commit()
+
+
+def test_leader_probes_apply_each_assignment_once(tuned_db):
+    """--probe tries the leader with the given parameters set, skipping what is measured or cannot run."""
+    from autotune import space, tuner
+
+    url, _, _ = tuned_db
+    case = CASES[1]
+    with Session(db.connect(url)) as s:
+        leader = db.ranked_trials(s, target.fingerprint().key, case.key)[0]
+        change = {f"g{i}_group_m": next(g for g in (1, 4, 8, 16) if g != leader.params[f"g{i}_group_m"])
+                  for i in (1, 2)}
+        probe = space.Variant.from_dict({**leader.params, **change})
+        assert db.cached_result(s, target.fingerprint().key, case.key, render.variant_hash(probe)) is None
+        probes = tuner._leader_probes(s, target.fingerprint(), case, [
+            change, change, {"block_m": leader.params["block_m"]},  # a repeat; the leader itself
+            {"g1_block_k": 256},  # exceeds the case's H: cannot run it
+        ])
+    assert probes == [probe.as_dict()]
 
 
 def test_committed_module_is_what_the_committed_database_emits(tmp_path):
