@@ -49,29 +49,33 @@ def _weights_doc(tma: bool, a_tma: bool, persistent: bool) -> str:
 
 
 def _gemm1_form(dispatch: str, activation: str, tma: bool, persistent: bool) -> dict:
-    gather, swiglu = dispatch == "fused", activation == "fused"
+    direct = dispatch == "direct"
+    gather, swiglu = dispatch in ("fused", "direct"), activation == "fused"
     # Expert-contiguous rows can come by TMA; gathered rows cannot (sm_90 has no TMA gather).
     a_tma = tma and not gather
     # With TMA weights, the fused SwiGLU loads gate and up as one box and runs one dot.
     joint = tma and swiglu
-    rows = "gathers token rows through sorted_slots" if gather else "reads rows already in expert order"
+    rows = ("row block b is slot b alone (no sort), its token row gathered" if direct
+            else "gathers token rows through sorted_slots" if gather else "reads rows already in expert order")
     epilogue = ("applies SwiGLU in the epilogue and writes h [M, I]" if swiglu
                 else "writes gate and up [M, 2I] for the activation kernel")
     if joint:
         epilogue = "one dot over gate and up (a [1, 2, BLOCK_N, BLOCK_K] box);\n    " + epilogue
+    source = "direct" if direct else "gather" if gather else "grouped"
     return {
-        "name": f"_gemm1_{'gather' if gather else 'grouped'}_{'swiglu' if swiglu else 'gate_up'}"
-                f"{'_tma' * tma}{'_persistent' * persistent}",
-        "gather": gather, "swiglu": swiglu, "tma": tma, "a_tma": a_tma, "joint": joint, "persistent": persistent,
+        "name": f"_gemm1_{source}_{'swiglu' if swiglu else 'gate_up'}{'_tma' * tma}{'_persistent' * persistent}",
+        "gather": gather, "direct": direct, "swiglu": swiglu, "tma": tma, "a_tma": a_tma, "joint": joint,
+        "persistent": persistent,
         "dispatch": dispatch, "activation": activation,
         "rows": rows, "epilogue": epilogue, "weights": _weights_doc(tma, a_tma, persistent),
     }
 
 
-def _gemm2_form(tma: bool, persistent: bool) -> dict:
-    # h is written in expert order, so with TMA weights its rows come by TMA too.
-    return {"name": f"_gemm2_weighted{'_tma' * tma}{'_persistent' * persistent}", "tma": tma, "a_tma": tma,
-            "joint": False, "persistent": persistent, "weights": _weights_doc(tma, tma, persistent)}
+def _gemm2_form(direct: bool, tma: bool, persistent: bool) -> dict:
+    # h is written in block order, so with TMA weights its rows come by TMA too.
+    return {"name": f"_gemm2_weighted{'_direct' * direct}{'_tma' * tma}{'_persistent' * persistent}",
+            "direct": direct, "tma": tma, "a_tma": tma, "joint": False, "persistent": persistent,
+            "weights": _weights_doc(tma, tma, persistent)}
 
 
 def render_module(rows: list[Row], title: str, header: list[str]) -> str:
@@ -80,7 +84,7 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         raise ValueError("a module needs at least one variant")
     rows = sorted(rows, key=lambda r: r.max_tokens)
     forms1 = sorted({(r.v.dispatch, r.v.activation, r.v.g1_weight_tma, r.v.g1_persistent) for r in rows})
-    forms2 = sorted({(r.v.g2_weight_tma, r.v.g2_persistent) for r in rows})
+    forms2 = sorted({(r.v.dispatch == "direct", r.v.g2_weight_tma, r.v.g2_persistent) for r in rows})
     return _ENV.get_template("module.py.j2").render(
         title=title,
         header=header,
@@ -91,6 +95,7 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         any_tma=any(r.v.g1_weight_tma or r.v.g2_weight_tma for r in rows),
         any_persistent=any(r.v.g1_persistent or r.v.g2_persistent for r in rows),
         split_dispatch=any(r.v.dispatch == "split" for r in rows),
+        direct_dispatch=any(r.v.dispatch == "direct" for r in rows),
         split_activation=any(r.v.activation == "split" for r in rows),
     )
 

@@ -25,9 +25,11 @@ class Param:
 
 
 PARAMS: tuple[Param, ...] = (
-    Param("dispatch", ("fused", "split"),
+    Param("dispatch", ("fused", "split", "direct"),
           "fused: GEMM1 gathers token rows through the sorted indices; split: a permutation kernel first "
-          "writes the rows expert-contiguous so GEMM1 reads a plain grouped layout"),
+          "writes the rows expert-contiguous so GEMM1 reads a plain grouped layout; direct (tiny T): no "
+          "sort and no dispatch launch, row block b is slot b alone, so an expert two slots share is read "
+          "twice"),
     Param("activation", ("fused", "split"),
           "fused: SiLU(gate)*up in GEMM1's epilogue, which writes [M, I]; split: GEMM1 writes [M, 2I] and "
           "an activation kernel reduces it"),
@@ -65,6 +67,9 @@ PARAM_BY_NAME = {p.name: p for p in PARAMS}
 # A tile's fp32 accumulators above this many per thread spill registers (255 is the hardware cap,
 # and the loads in flight need the rest).
 MAX_ACC_PER_THREAD = 128
+# Direct dispatch reads an expert once per slot routed to it: past this many slots, shared experts
+# (and 16-row blocks holding one row each) cost more than the sort saves.
+DIRECT_MAX_SLOTS = 32
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,13 @@ def violations(v: Variant, case: Case) -> list[str]:
     """Why `v` cannot run `case` (empty when it can): checked before anything compiles."""
     s = case.shape
     bad = []
+    if v.dispatch == "direct":
+        if case.T * s.k > DIRECT_MAX_SLOTS:
+            bad.append(f"direct dispatch is for T*k <= {DIRECT_MAX_SLOTS} slots, not {case.T * s.k}")
+        if v.block_m != 16:
+            bad.append("direct dispatch holds one row per block: block_m must be 16, the smallest")
+        if v.g1_persistent or v.g2_persistent:
+            bad.append("direct dispatch has no used-block count for a persistent GEMM to walk")
     smem = target.smem_bytes()
     fused_act = v.activation == "fused"
     gemms = (

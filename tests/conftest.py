@@ -28,7 +28,7 @@ def small_variant(dispatch="fused", activation="fused", tma=False, persistent=Fa
 FORMS = [("fused", "fused", False, False), ("fused", "split", False, False), ("split", "fused", False, False),
          ("split", "split", False, False), ("fused", "fused", True, False), ("split", "split", True, False),
          ("split", "fused", True, False), ("fused", "fused", False, True), ("fused", "split", True, True),
-         ("split", "fused", True, True)]
+         ("split", "fused", True, True), ("direct", "fused", False, False), ("direct", "split", True, False)]
 
 
 @pytest.fixture(scope="session")

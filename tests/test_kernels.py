@@ -49,10 +49,12 @@ def torch_dispatch(ids, E, block_m):
     return torch.tensor(expert_blocks, dtype=torch.int32), torch.tensor(block_rows, dtype=torch.int32), sorted_slots
 
 
-@pytest.mark.parametrize("E, T, k, block_m", [(8, 1, 2, 16), (5, 300, 3, 16), (64, 70, 4, 32), (3, 50, 2, 128)])
+@pytest.mark.parametrize("E, T, k, block_m", [(8, 1, 2, 16), (5, 300, 3, 16), (64, 70, 4, 32), (3, 50, 2, 128),
+                                              (40, 3000, 3, 16), (300, 100, 4, 16)])
 def test_dispatch_exact(form_modules, E, T, k, block_m):
     """Integers compare exactly: block -> expert map, rows per block, and the slots in stable order.
-    T=300 x k=3 spans several 128-slot chunks, so the cross-chunk prefix is exercised."""
+    T=300 x k=3 spans several 128-slot chunks, so the cross-chunk prefix is exercised; T=3000 x k=3
+    spans several scan steps and scan programs; E=300 needs more block-map programs than chunks."""
     gen = torch.Generator().manual_seed(E * T)
     ids = torch.randint(-1, E + 2, (T, k), generator=gen)  # includes -1 and out-of-range ids
     ids[0, 0] = 2**32 + 1  # must not wrap around to expert 1 when narrowed
@@ -70,11 +72,11 @@ def test_dispatch_exact(form_modules, E, T, k, block_m):
 
 
 class TestEdgeCases:
-    module_form = ("fused", "fused", False, False)
-
-    @pytest.fixture
-    def module(self, form_modules):
-        return form_modules[self.module_form]
+    # The sorted dispatch, and the direct one that reads topk_ids in the GEMMs themselves.
+    @pytest.fixture(params=[("fused", "fused", False, False), ("direct", "fused", False, False)],
+                    ids=["sorted", "direct"])
+    def module(self, form_modules, request):
+        return form_modules[request.param]
 
     def test_zero_tokens_launches_nothing(self, module):
         x, w13, w2, w, ids = inputs(T=1)
@@ -94,6 +96,7 @@ class TestEdgeCases:
         ids[2, 1] = 1000  # garbage from a padded CUDA-graph row
         ids[3, 1] = ids[3, 0]  # the same expert twice counts twice
         ids[4, 0] = -7
+        ids[5, 0] = 2**32 + 1  # an int64 id that narrowing to int32 would turn into expert 1
         out = assert_matches(module, x, w13, w2, w, ids)
         assert torch.equal(out[1], torch.zeros_like(out[1]))
 

@@ -3,7 +3,6 @@
 import dataclasses
 
 import pytest
-
 from conftest import small_variant
 
 from autotune import cli, space
@@ -20,7 +19,7 @@ def test_choices_are_capped_by_the_case():
     caps = {p.name: space.choices(p, tiny) for p in space.PARAMS}
     assert caps["block_m"] == (16,)  # 6 slots: no tile taller than 16 rows is useful
     assert caps["g1_block_k"] == (32,) and caps["g2_block_k"] == (32,)  # K = 32 and 16 -> the smallest
-    assert caps["dispatch"] == ("fused", "split")
+    assert caps["dispatch"] == ("fused", "split", "direct")
     big = Case(SEED16_SHAPE, T=32768)
     assert all(space.choices(p, big) == p.choices for p in space.PARAMS)
 
@@ -64,3 +63,11 @@ def test_parse_assignments_names_the_bad_part():
         space.parse_assignments("blockm=64")
     with pytest.raises(ValueError, match="block_m takes one of 16, 32, 64, 128"):
         space.parse_assignments("block_m=48")
+
+
+def test_direct_dispatch_only_where_it_can_pay():
+    tiny, wide = Case(SEED16_SHAPE, 1), Case(SEED16_SHAPE, 64)
+    assert space.violations(small_variant("direct", block_m=16), tiny) == []
+    assert any("T*k <= " in r for r in space.violations(small_variant("direct"), wide))
+    assert any("block_m must be 16" in r for r in space.violations(small_variant("direct", block_m=32), tiny))
+    assert any("persistent" in r for r in space.violations(small_variant("direct", persistent=True), tiny))
