@@ -83,8 +83,8 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     if not rows:
         raise ValueError("a module needs at least one variant")
     rows = sorted(rows, key=lambda r: r.max_tokens)
-    forms1 = sorted({(r.v.dispatch, r.v.activation, r.v.g1_weight_tma, r.v.g1_persistent) for r in rows})
-    forms2 = sorted({(r.v.dispatch == "direct", r.v.g2_weight_tma, r.v.g2_persistent) for r in rows})
+    forms1 = sorted({(r.v.route, r.v.activation, r.v.g1_weight_tma, r.v.g1_persistent) for r in rows})
+    forms2 = sorted({(r.v.direct, r.v.g2_weight_tma, r.v.g2_persistent) for r in rows})
     return _ENV.get_template("module.py.j2").render(
         title=title,
         header=header,
@@ -94,8 +94,8 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         gemm2_forms=[_gemm2_form(*f) for f in forms2],
         any_tma=any(r.v.g1_weight_tma or r.v.g2_weight_tma for r in rows),
         any_persistent=any(r.v.g1_persistent or r.v.g2_persistent for r in rows),
-        split_dispatch=any(r.v.dispatch == "split" for r in rows),
-        direct_dispatch=any(r.v.dispatch == "direct" for r in rows),
+        split_dispatch=any(r.v.route == "split" for r in rows),
+        direct_dispatch=any(r.v.direct for r in rows),
         split_activation=any(r.v.activation == "split" for r in rows),
     )
 

@@ -124,8 +124,8 @@ def _compile_here(v: dict, case: dict) -> list[dict]:
     v, case = Variant.from_dict(v), Case.from_dict(case)
     module = render.load_source(render.render_variant(v))
     kernels = (
-        (1, module._GEMM1[(v.dispatch, v.activation, v.g1_weight_tma, v.g1_persistent)]),
-        (2, module._GEMM2[(v.dispatch == "direct", v.g2_weight_tma, v.g2_persistent)]),
+        (1, module._GEMM1[(v.route, v.activation, v.g1_weight_tma, v.g1_persistent)]),
+        (2, module._GEMM2[(v.direct, v.g2_weight_tma, v.g2_persistent)]),
     )
     reports = []
     for which, fn in kernels:

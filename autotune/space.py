@@ -25,11 +25,12 @@ class Param:
 
 
 PARAMS: tuple[Param, ...] = (
-    Param("dispatch", ("fused", "split", "direct"),
+    Param("dispatch", ("fused", "split"),
           "fused: GEMM1 gathers token rows through the sorted indices; split: a permutation kernel first "
-          "writes the rows expert-contiguous so GEMM1 reads a plain grouped layout; direct (tiny T): no "
-          "sort and no dispatch launch, row block b is slot b alone, so an expert two slots share is read "
-          "twice"),
+          "writes the rows expert-contiguous so GEMM1 reads a plain grouped layout"),
+    Param("direct", (False, True),
+          "tiny T: no sort and no dispatch launch; row block b is slot b alone and GEMM1 gathers its token "
+          "row (needs dispatch=fused), so an expert two slots share is read twice", default=False),
     Param("activation", ("fused", "split"),
           "fused: SiLU(gate)*up in GEMM1's epilogue, which writes [M, I]; split: GEMM1 writes [M, 2I] and "
           "an activation kernel reduces it"),
@@ -92,6 +93,13 @@ class Variant:
     g1_persistent: bool = False
     g2_persistent: bool = False
     pdl: bool = False
+    direct: bool = False
+
+    @property
+    def route(self) -> str:
+        """How rows reach GEMM1: "fused" (gathered in sorted order), "split" (permuted first) or
+        "direct" (one slot per block, no sort)."""
+        return "direct" if self.direct else self.dispatch
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -125,7 +133,7 @@ class Variant:
                     f"{tma}{persistent}")
 
         pdl = " pdl" if self.pdl else ""
-        return f"{self.dispatch}/{self.activation} M{self.block_m}{pdl} g1 {gemm(g1)} g2 {gemm(g2)}"
+        return f"{self.route}/{self.activation} M{self.block_m}{pdl} g1 {gemm(g1)} g2 {gemm(g2)}"
 
 
 def _next_pow2(n: int) -> int:
@@ -141,7 +149,9 @@ def violations(v: Variant, case: Case) -> list[str]:
     """Why `v` cannot run `case` (empty when it can): checked before anything compiles."""
     s = case.shape
     bad = []
-    if v.dispatch == "direct":
+    if v.direct:
+        if v.dispatch != "fused":
+            bad.append("direct dispatch gathers rows in GEMM1: it needs dispatch=fused")
         if case.T * s.k > DIRECT_MAX_SLOTS:
             bad.append(f"direct dispatch is for T*k <= {DIRECT_MAX_SLOTS} slots, not {case.T * s.k}")
         if v.block_m != 16:

@@ -19,8 +19,9 @@ DTYPES = (torch.bfloat16,) if GPU else (torch.float16, torch.float32)
 
 def small_variant(dispatch="fused", activation="fused", tma=False, persistent=False,
                   block_m=16, bn=32, bk=32, group_m=4, pdl=False) -> Variant:
-    return Variant(dispatch, activation, block_m, bn, bk, group_m, 4, 2, bn, bk, group_m, 4, 2,
-                   tma, tma, persistent, persistent, pdl)
+    direct = dispatch == "direct"
+    return Variant("fused" if direct else dispatch, activation, block_m, bn, bk, group_m, 4, 2, bn, bk, group_m, 4, 2,
+                   tma, tma, persistent, persistent, pdl, direct)
 
 
 # Every structural form: (dispatch, activation, TMA descriptors, persistent GEMMs). With TMA, fused

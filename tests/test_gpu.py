@@ -36,8 +36,9 @@ def seed16_weights():
 
 # Direct dispatch reads each expert once per slot: meant for tiny T, far too slow at T=4096.
 TINY_T_ONLY = {
-    "direct/fused": Variant("direct", "fused", 16, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4),
-    "direct/split tma pdl": Variant("direct", "split", 16, 64, 64, 1, 4, 4, 64, 64, 1, 4, 4, True, True, pdl=True),
+    "direct/fused": Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4, direct=True),
+    "direct/split tma pdl": Variant("fused", "split", 16, 64, 64, 1, 4, 4, 64, 64, 1, 4, 4, True, True, pdl=True,
+                                    direct=True),
 }
 CASES = [(name, T) for name in VARIANTS for T in (1, 7, 300, 4096)] + [(n, T) for n in TINY_T_ONLY for T in (1, 2, 7)]
 

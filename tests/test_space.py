@@ -19,7 +19,7 @@ def test_choices_are_capped_by_the_case():
     caps = {p.name: space.choices(p, tiny) for p in space.PARAMS}
     assert caps["block_m"] == (16,)  # 6 slots: no tile taller than 16 rows is useful
     assert caps["g1_block_k"] == (32,) and caps["g2_block_k"] == (32,)  # K = 32 and 16 -> the smallest
-    assert caps["dispatch"] == ("fused", "split", "direct")
+    assert caps["dispatch"] == ("fused", "split")
     big = Case(SEED16_SHAPE, T=32768)
     assert all(space.choices(p, big) == p.choices for p in space.PARAMS)
 
@@ -71,3 +71,5 @@ def test_direct_dispatch_only_where_it_can_pay():
     assert any("T*k <= " in r for r in space.violations(small_variant("direct"), wide))
     assert any("block_m must be 16" in r for r in space.violations(small_variant("direct", block_m=32), tiny))
     assert any("persistent" in r for r in space.violations(small_variant("direct", persistent=True), tiny))
+    split = dataclasses.replace(small_variant("direct"), dispatch="split")
+    assert any("dispatch=fused" in r for r in space.violations(split, tiny))

@@ -222,3 +222,34 @@ def test_interrupted_trial_is_failed_and_the_study_goes_on(tmp_path):
     assert trials[0].user_attrs.get("interrupted") is True
     retried = [t for t in trials[1:] if t.params == point]  # the cut-off point is run again
     assert retried and retried[0].state != optuna.trial.TrialState.RUNNING
+
+
+def test_committed_studies_accept_todays_space(tmp_path):
+    """Optuna fixes each parameter's choices per study: today's space must ask every committed study
+    for the same choices, or resuming it fails ("CategoricalDistribution does not support dynamic value
+    space"). A new value belongs in a new parameter."""
+    import shutil
+
+    import optuna
+
+    from autotune import space
+
+    committed = Path(db.GPU_URL.removeprefix("sqlite:///"))
+    if not committed.exists():
+        pytest.skip("no committed GPU database")
+    copy = tmp_path / "db.sqlite3"
+    shutil.copy(committed, copy)
+    url = f"sqlite:///{copy}"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with Session(db.connect(url)) as s:
+        for summary in optuna.get_all_study_summaries(url):
+            row = s.scalars(select(db.Trial).where(db.Trial.study == summary.study_name).limit(1)).first()
+            if row is None:
+                continue
+            case = Case.from_dict(row.case)
+            seen = {}
+            for t in optuna.load_study(study_name=summary.study_name, storage=url).get_trials(deepcopy=False):
+                seen.update(t.distributions)
+            for name, dist in seen.items():
+                assert tuple(dist.choices) == space.choices(space.PARAM_BY_NAME[name], case), \
+                    (summary.study_name, name)
