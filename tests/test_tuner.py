@@ -152,8 +152,15 @@ def test_new_parameters_are_probed_from_the_leader(tuned_db):
     case = CASES[1]
     with Session(db.connect(url)) as s:
         current = emit.current_best(s, target.fingerprint().key, case)
-        # Pretend the leader predates a parameter it holds at that parameter's default.
-        new = next(p for p in space.PARAMS if p.default is not None and current.params[p.name] == p.default)
+        def others(p):
+            """`p`'s non-default values that can run the case from the leader."""
+            return [value for value in p.choices if value != p.default
+                    and not space.violations(space.Variant.from_dict({**current.params, p.name: value}), case)]
+
+        # Pretend the leader predates a parameter it holds at that parameter's default, and
+        # which has another value that can run here.
+        new = next(p for p in space.PARAMS
+                   if p.default is not None and current.params[p.name] == p.default and others(p))
         old_params = {k: v for k, v in current.params.items() if k != new.name}
         fake = db.record_trial(s, run_id=current.run_id, study=current.study, fingerprint=current.fingerprint,
                                case_key=case.key, case=case.as_dict(), params=old_params, label=current.label,
@@ -161,7 +168,7 @@ def test_new_parameters_are_probed_from_the_leader(tuned_db):
         try:
             probes = tuner._new_dimension_probes(s, target.fingerprint(), case)
             assert probes == [space.Variant.from_dict({**old_params, new.name: value}).as_dict()
-                              for value in new.choices if value != new.default]
+                              for value in others(new)]
         finally:
             s.delete(fake)
             s.commit()
