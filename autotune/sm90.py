@@ -53,6 +53,9 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
                   "GROUP_M": g["GROUP_M"], "EVEN_K": k % g["BLOCK_K"] == 0, "PDL": v.pdl}
     if "TOP_K" in fn.arg_names:
         constexprs["TOP_K"] = case.shape.k
+    if "HALF_TAIL" in fn.arg_names:
+        constexprs["HALF_TAIL"] = v.half_tail
+    rows_tma = "a_desc" in fn.arg_names or "h_desc" in fn.arg_names
     signature, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in constexprs:
@@ -63,6 +66,10 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
             signature[arg] = f"tensordesc<{dt}[{box}]>"
         elif arg in ("a_desc", "h_desc"):
             signature[arg] = f"tensordesc<{dt}[{v.block_m}, {g['BLOCK_K']}]>"
+        elif arg in ("a_half_desc", "h_half_desc"):
+            # The half-height tail tiles' row box; the rows tensor itself when rows come by pointer.
+            half = v.block_m // 2 if v.half_tail else v.block_m
+            signature[arg] = f"tensordesc<{dt}[{half}, {g['BLOCK_K']}]>" if rows_tma else f"*{dt}"
         elif arg.endswith("_ptr"):
             signature[arg] = ("*i32" if arg in _INDEX_POINTERS else "*fp32" if arg == "topk_weights_ptr"
                               else f"*{dt}")

@@ -61,6 +61,10 @@ PARAMS: tuple[Param, ...] = (
           "GEMM2 loads w2 tiles and the expert-ordered activation rows through TMA tensor descriptors",
           default=False),
     Param("g2_persistent", (False, True), "GEMM2 runs one program per SM over the used tiles", default=False),
+    Param("half_tail", (False, True),
+          "an expert's last row block, when it holds at most block_m/2 rows, runs as a tile of half the "
+          "rows in both GEMMs: less padded tensor work where experts get a few blocks each (T*k/E near "
+          "block_m)", default=False),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -94,6 +98,7 @@ class Variant:
     g2_persistent: bool = False
     pdl: bool = False
     direct: bool = False
+    half_tail: bool = False
 
     @property
     def route(self) -> str:
@@ -133,7 +138,8 @@ class Variant:
                     f"{tma}{persistent}")
 
         pdl = " pdl" if self.pdl else ""
-        return f"{self.route}/{self.activation} M{self.block_m}{pdl} g1 {gemm(g1)} g2 {gemm(g2)}"
+        half = "/half" if self.half_tail else ""
+        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {gemm(g1)} g2 {gemm(g2)}"
 
 
 def _next_pow2(n: int) -> int:
@@ -158,6 +164,8 @@ def violations(v: Variant, case: Case) -> list[str]:
             bad.append("direct dispatch holds one row per block: block_m must be 16, the smallest")
         if v.g1_persistent or v.g2_persistent:
             bad.append("direct dispatch has no used-block count for a persistent GEMM to walk")
+    if v.half_tail and (v.direct or v.block_m < 32):
+        bad.append("half_tail splits a row block of at least 32 rows (a dot needs 16), and never a direct one")
     smem = target.smem_bytes()
     fused_act = v.activation == "fused"
     gemms = (

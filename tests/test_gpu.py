@@ -26,6 +26,10 @@ VARIANTS = {
                                           True, True, True, True),
     "fused/fused small pdl": Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4, pdl=True),
     "split/split pdl": Variant("split", "split", 64, 128, 64, 8, 4, 3, 128, 64, 8, 4, 3, pdl=True),
+    # Half-height tails: 64-row wgmma tiles beside 128-row ones (TMA rows), and 32-row mma tiles.
+    "split/fused tma persistent half": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                               True, True, True, True, half_tail=True),
+    "fused/fused half": Variant("fused", "fused", 64, 128, 64, 8, 4, 4, 128, 64, 8, 4, 4, half_tail=True),
 }
 
 

@@ -32,6 +32,13 @@ def test_forms_match_reference(form_modules, form, dtype, T, H, I):  # noqa: E74
     assert_matches(form_modules[form], *inputs(H=H, I=I, T=T, dtype=dtype))
 
 
+@pytest.mark.parametrize("form", [f for f in FORMS if f[4:] == (True,)])
+def test_half_tail_mixes_full_and_half_blocks(form_modules, form):
+    """~35 rows per expert in 32-row blocks: full blocks, tails over half a block (full tile, masked)
+    and tails of at most half (half-height tile) in one launch."""
+    assert_matches(form_modules[form], *inputs(E=4, T=70, dtype=DTYPES[0]))
+
+
 def torch_dispatch(ids, E, block_m):
     """Stable sort of slots by expert, each expert padded to block_m: the spec of the dispatch kernels."""
     flat = ids.reshape(-1).long()
@@ -73,8 +80,9 @@ def test_dispatch_exact(form_modules, E, T, k, block_m):
 
 class TestEdgeCases:
     # The sorted dispatch, and the direct one that reads topk_ids in the GEMMs themselves.
-    @pytest.fixture(params=[("fused", "fused", False, False), ("direct", "fused", False, False)],
-                    ids=["sorted", "direct"])
+    @pytest.fixture(params=[("fused", "fused", False, False), ("direct", "fused", False, False),
+                            ("split", "fused", True, True, True)],
+                    ids=["sorted", "direct", "half_tail"])
     def module(self, form_modules, request):
         return form_modules[request.param]
 
