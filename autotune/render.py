@@ -85,16 +85,18 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     rows = sorted(rows, key=lambda r: r.max_tokens)
     forms1 = sorted({(r.v.route, r.v.activation, r.v.g1_weight_tma, r.v.g1_persistent) for r in rows})
     forms2 = sorted({(r.v.direct, r.v.g2_weight_tma, r.v.g2_persistent) for r in rows})
-    # Rendered only when a row uses it, so modules without it keep their source (and trial hashes).
+    # Rendered only when a row uses them, so modules without them keep their source (and trial hashes).
     half_tail = any(r.v.half_tail for r in rows)
+    tail_walk = any(r.v.tail_walk for r in rows)
     return _ENV.get_template("module.py.j2").render(
         title=title,
         header=header,
         rows=[Row("float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens), r.v) for r in rows],
         gemm_keys=GEMM_KEYS,
-        gemm1_forms=[{**_gemm1_form(*f), "half_tail": half_tail} for f in forms1],
-        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail} for f in forms2],
+        gemm1_forms=[{**_gemm1_form(*f), "half_tail": half_tail, "walk": tail_walk} for f in forms1],
+        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk} for f in forms2],
         half_tail=half_tail,
+        tail_walk=tail_walk,
         any_tma=any(r.v.g1_weight_tma or r.v.g2_weight_tma for r in rows),
         any_persistent=any(r.v.g1_persistent or r.v.g2_persistent for r in rows),
         split_dispatch=any(r.v.route == "split" for r in rows),

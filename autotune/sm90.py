@@ -26,7 +26,8 @@ from .workloads import Case
 
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # Pointer arguments that are not activations, by name.
-_INDEX_POINTERS = {"sorted_slots_ptr", "block_expert_ptr", "block_rows_ptr", "num_blocks_ptr"}
+_INDEX_POINTERS = {"sorted_slots_ptr", "block_expert_ptr", "block_rows_ptr", "num_blocks_ptr", "walk_blocks_ptr",
+                   "walk_count_ptr"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
         constexprs["TOP_K"] = case.shape.k
     if "HALF_TAIL" in fn.arg_names:
         constexprs["HALF_TAIL"] = v.half_tail
+    if "WALK" in fn.arg_names:
+        # The tail walk's first launch (full-height blocks) stands for the pair.
+        constexprs["WALK"] = v.tail_walk and g["persistent"]
+        constexprs["WALK_M"] = v.block_m
     rows_tma = "a_desc" in fn.arg_names or "h_desc" in fn.arg_names
     signature, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):

@@ -65,6 +65,10 @@ PARAMS: tuple[Param, ...] = (
           "an expert's last row block, when it holds at most block_m/2 rows, runs as a tile of half the "
           "rows in both GEMMs: less padded tensor work where experts get a few blocks each (T*k/E near "
           "block_m)", default=False),
+    Param("tail_walk", (False, True),
+          "with half_tail, each persistent GEMM walks two block lists that dispatch writes, full blocks then "
+          "half tails, in two launches, instead of branching on each tile's height (a branch inside the tile "
+          "walk stops triton from overlapping one tile's epilogue with the next tile's loads)", default=False),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -99,6 +103,7 @@ class Variant:
     pdl: bool = False
     direct: bool = False
     half_tail: bool = False
+    tail_walk: bool = False
 
     @property
     def route(self) -> str:
@@ -138,7 +143,7 @@ class Variant:
                     f"{tma}{persistent}")
 
         pdl = " pdl" if self.pdl else ""
-        half = "/half" if self.half_tail else ""
+        half = ("/half+walk" if self.tail_walk else "/half") if self.half_tail else ""
         return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {gemm(g1)} g2 {gemm(g2)}"
 
 
@@ -166,6 +171,8 @@ def violations(v: Variant, case: Case) -> list[str]:
             bad.append("direct dispatch has no used-block count for a persistent GEMM to walk")
     if v.half_tail and (v.direct or v.block_m < 32):
         bad.append("half_tail splits a row block of at least 32 rows (a dot needs 16), and never a direct one")
+    if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
+        bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()
     fused_act = v.activation == "fused"
     gemms = (

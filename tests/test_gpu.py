@@ -30,6 +30,11 @@ VARIANTS = {
     "split/fused tma persistent half": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
                                                True, True, True, True, half_tail=True),
     "fused/fused half": Variant("fused", "fused", 64, 128, 64, 8, 4, 4, 128, 64, 8, 4, 4, half_tail=True),
+    # The tail walk: persistent GEMMs over dispatch's full-block list, then its half-tail list.
+    "split/fused tma persistent half walk": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                                    True, True, True, True, half_tail=True, tail_walk=True),
+    "fused/fused tma persistent half walk": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                                    True, True, True, False, half_tail=True, tail_walk=True),
 }
 
 

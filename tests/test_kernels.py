@@ -32,7 +32,7 @@ def test_forms_match_reference(form_modules, form, dtype, T, H, I):  # noqa: E74
     assert_matches(form_modules[form], *inputs(H=H, I=I, T=T, dtype=dtype))
 
 
-@pytest.mark.parametrize("form", [f for f in FORMS if f[4:] == (True,)])
+@pytest.mark.parametrize("form", [f for f in FORMS if f[4:5] == (True,)])
 def test_half_tail_mixes_full_and_half_blocks(form_modules, form):
     """~35 rows per expert in 32-row blocks: full blocks, tails over half a block (full tile, masked)
     and tails of at most half (half-height tile) in one launch."""
@@ -78,11 +78,33 @@ def test_dispatch_exact(form_modules, E, T, k, block_m):
         assert torch.equal(got, want), f"block {b}"
 
 
+@pytest.mark.parametrize("E, T, k, block_m", [(8, 1, 2, 32), (5, 300, 3, 32), (64, 70, 4, 32), (40, 3000, 3, 64)])
+def test_dispatch_walk_lists(form_modules, E, T, k, block_m):
+    """The tail walk's lists: every used block once, in block order, an expert's last block holding
+    1 to block_m/2 rows in the tail list and every other block in the full list."""
+    gen = torch.Generator().manual_seed(E * T + 1)
+    ids = torch.randint(-1, E + 2, (T, k), generator=gen)
+    module = form_modules[("split", "fused", True, True, True, True)]
+    lists = tuple(torch.full((module._max_blocks(T * k, E, block_m),), -7, dtype=torch.int32, device=DEVICE)
+                  for _ in range(2))
+    _, block_expert, block_rows, num_blocks = module.dispatch(ids.to(DEVICE), E, block_m, walk_lists=lists)
+    want_expert, want_rows, _ = torch_dispatch(ids, E, block_m)
+    last = torch.ones_like(want_expert, dtype=torch.bool)
+    last[:-1] = want_expert[1:] != want_expert[:-1]
+    half = last & (want_rows <= block_m // 2)
+    blocks = torch.arange(want_expert.numel(), dtype=torch.int32)
+    want_full, want_tail = blocks[~half], blocks[half]
+    assert num_blocks.cpu().tolist() == [want_expert.numel(), want_full.numel(), want_tail.numel()]
+    full, tail = (t.cpu() for t in lists)
+    assert torch.equal(full[:want_full.numel()], want_full)
+    assert torch.equal(tail[:want_tail.numel()], want_tail)
+
+
 class TestEdgeCases:
     # The sorted dispatch, and the direct one that reads topk_ids in the GEMMs themselves.
     @pytest.fixture(params=[("fused", "fused", False, False), ("direct", "fused", False, False),
-                            ("split", "fused", True, True, True)],
-                    ids=["sorted", "direct", "half_tail"])
+                            ("split", "fused", True, True, True), ("split", "fused", True, True, True, True)],
+                    ids=["sorted", "direct", "half_tail", "tail_walk"])
     def module(self, form_modules, request):
         return form_modules[request.param]
 
