@@ -23,7 +23,7 @@ import triton.language as tl
 from . import target
 from .peers import PEERS, Peer
 from .reference import error_stats, moe_reference
-from .timing import Timing, time_fn
+from .timing import Timing, kernel_breakdown, time_fn
 from .workloads import Case, experts_touched, make_tokens, make_weights
 
 # Our GEMM must agree with torch.matmul this closely before its rate counts: both accumulate in
@@ -294,6 +294,9 @@ def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, reps, war
         ours_ms = row["ours"]["ms"]
         entry["speedup"] = entry["ms"] / ours_ms if entry["ms"] and ours_ms else None
         row["peers"][peer.name] = entry
+    if row["ours"]["ok"]:
+        # Profiled last, so the profiler cannot disturb any timing above.
+        row["ours"]["kernels"] = kernel_breakdown(lambda: fused_experts(*args))
     return row
 
 
@@ -347,6 +350,24 @@ def run_bench(fused_experts, cases: list[Case], *, peers: bool = True, ceilings:
         "cases": rows,
         "mean": _means(rows, used),
     }
+
+
+def format_kernels(result: dict, top: int = 4) -> str:
+    """Per case, our kernels' device time per call (profiled outside a graph), longest first."""
+    lines = []
+    for row in result["cases"]:
+        kernels = row["ours"].get("kernels")
+        if not kernels:
+            continue
+        total = sum(k["us"] for k in kernels)
+        parts = [f"{k['name'].lstrip('_').removesuffix('_kernel')} {k['us']:.1f}"
+                 + (f" (x{k['launches']:g})" if k["launches"] != 1 else "") for k in kernels[:top]]
+        rest = total - sum(k["us"] for k in kernels[:top])
+        if rest > 0:
+            parts.append(f"other {rest:.1f}")
+        lines.append(f"T={row['T']:<6} kernels {total:9.1f} us (graph {row['ours']['ms'] * 1e3:9.1f}): "
+                     + ", ".join(parts))
+    return "\n".join(lines)
 
 
 def _num(v, fmt: str) -> str:

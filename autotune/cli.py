@@ -120,6 +120,9 @@ def cmd_bench(args) -> int:
     result = bench.run_bench(module.fused_experts, cases, peers=not args.no_peers)
     result["module"] = str(path)
     print(bench.format_table(result))
+    kernels = bench.format_kernels(result)
+    if kernels:
+        print("\nWhere our time goes (device time per call, profiled outside a CUDA graph):\n" + kernels)
     json_path = Path(args.json) if args.json else path.with_suffix(".bench.json")
     bench.write_json(result, json_path)
     print(f"wrote {json_path}")

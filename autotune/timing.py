@@ -99,3 +99,33 @@ def time_fn(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3, graph:
     torch.cuda.synchronize()
     samples = [a.elapsed_time(b) / inner for a, b in pairs]
     return _summary(samples, method)
+
+
+def per_kernel(events: list[tuple[str, float]], calls: int) -> list[dict]:
+    """(kernel name, device µs) events from `calls` calls -> one entry per kernel, longest first:
+    µs per call and launches per call."""
+    totals: dict[str, float] = {}
+    launches: dict[str, int] = {}
+    for name, us in events:
+        totals[name] = totals.get(name, 0.0) + us
+        launches[name] = launches.get(name, 0) + 1
+    return [{"name": name, "us": total / calls, "launches": launches[name] / calls}
+            for name, total in sorted(totals.items(), key=lambda kv: -kv[1])]
+
+
+def kernel_breakdown(fn: Callable[[], object], *, calls: int = 5) -> list[dict] | None:
+    """Where one `fn()` call's device time goes, kernel by kernel (torch.profiler's CUDA activity,
+    outside any graph, after a warm-up call). None without a GPU: interpreted kernels have no device
+    time."""
+    if not target.has_gpu():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return per_kernel([(e.name, e.device_time) for e in prof.events() if e.device_type == cuda], calls)

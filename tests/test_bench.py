@@ -15,7 +15,7 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
-from autotune import bench, peers, target  # noqa: E402
+from autotune import bench, peers, target, timing  # noqa: E402
 from autotune.reference import error_stats, moe_reference  # noqa: E402
 from autotune.workloads import DEMO_SHAPE, SEED16_SHAPE, Case, Shape, make_tokens, make_weights  # noqa: E402
 
@@ -184,3 +184,33 @@ def test_gpu_peers_bf16():
         ref = moe_reference(x, w13, w2, w, ids)
         for peer in peers.PEERS:
             assert not error_stats(peer.fn(x, w13, w2, w, ids), ref).failures(), (peer.name, T)
+
+
+def test_per_kernel_sums_names_over_calls():
+    events = [("gemm1", 10.0), ("gemm2", 4.0), ("dispatch", 1.0), ("gemm1", 12.0), ("gemm2", 6.0), ("dispatch", 1.0),
+              ("dispatch", 0.5), ("dispatch", 0.5)]
+    assert timing.per_kernel(events, calls=2) == [
+        {"name": "gemm1", "us": 11.0, "launches": 1.0},
+        {"name": "gemm2", "us": 5.0, "launches": 1.0},
+        {"name": "dispatch", "us": 1.5, "launches": 2.0},
+    ]
+
+
+def test_format_kernels_shows_the_split_per_case():
+    row = {"T": 8, "ours": {"ms": 0.05, "kernels": [
+        {"name": "_gemm1_gather_swiglu", "us": 30.0, "launches": 1.0},
+        {"name": "_dispatch_count_kernel", "us": 2.0, "launches": 2.0},
+        {"name": "_combine_kernel", "us": 1.0, "launches": 1.0}]}}
+    text = bench.format_kernels({"cases": [row, {"T": 16, "ours": {"ms": None}}]}, top=2)
+    assert text == ("T=8      kernels      33.0 us (graph      50.0): "
+                    "gemm1_gather_swiglu 30.0, dispatch_count 2.0 (x2), other 1.0")
+
+
+@gpu
+@needs_cuda
+def test_gpu_kernel_breakdown_names_every_kernel():
+    shape = Shape(E=16, H=512, I=256, k=4, dtype="bfloat16")
+    w13, w2 = make_weights(shape, "cuda", seed=0)
+    x, w, ids = make_tokens(Case(shape, 64, seed=1), "cuda")
+    kernels = timing.kernel_breakdown(lambda: peers.grouped_mm_pipeline(x, w13, w2, w, ids))
+    assert kernels and all(k["us"] > 0 and k["launches"] > 0 for k in kernels)
