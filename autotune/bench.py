@@ -129,23 +129,41 @@ def _gemm_launcher(a_MK: torch.Tensor, b_NK: torch.Tensor, c_MN: torch.Tensor, t
 
 @dataclass(frozen=True)
 class MatmulRates:
-    """FLOP/s of torch.matmul and of our persistent TMA GEMM (None when it failed or was wrong)."""
+    """FLOP/s of torch.matmul, of our persistent TMA GEMM and (GPU only) of our warp-specialised
+    Gluon ping-pong GEMM; None for one of ours that failed or was wrong."""
 
     torch_flops_per_s: float
     triton_flops_per_s: float | None
     notes: tuple[str, ...] = ()
+    gluon_flops_per_s: float | None = None
 
     @property
     def best(self) -> float:
-        return max(self.torch_flops_per_s, self.triton_flops_per_s or 0.0)
+        return max(self.torch_flops_per_s, self.triton_flops_per_s or 0.0, self.gluon_flops_per_s or 0.0)
+
+
+def _checked_rate(name: str, launch_factory, c_ours, c_ref, flops: int, reps: int) -> tuple[float | None, str]:
+    """FLOP/s of one of our GEMMs, counted only if its output matches torch.matmul's within
+    GEMM_REL_L2_BAR; otherwise, or if it fails to compile or launch, None and the reason."""
+    try:
+        launch = launch_factory()
+        launch()
+        rel = float((c_ours.float() - c_ref.float()).norm() / c_ref.float().norm())
+        if not rel <= GEMM_REL_L2_BAR:
+            return None, f"{name} rejected: relative L2 {rel:.2e} vs torch.matmul"
+        return flops / (time_fn(launch, reps=reps).median_ms * 1e-3), f"{name} relative L2 vs torch.matmul {rel:.2e}"
+    except Exception as exc:  # noqa: BLE001 - any failure of our GEMM means "use another rate"; say why
+        return None, f"{name} failed: {type(exc).__name__}: {exc}"[:500]
 
 
 def measure_matmul_rate(n: int | None = None, *, reps: int = 20) -> MatmulRates:
-    """The better of torch.matmul and our persistent TMA GEMM on one n×n×n problem (2n³ FLOPs).
+    """The best of torch.matmul, our persistent TMA GEMM and (GPU only) our warp-specialised Gluon
+    ping-pong GEMM on one n×n×n problem (2n³ FLOPs).
 
-    GPU: bf16, n = 8192, `GPU_TILES`. Interpreter: fp16 (its bf16 tl.dot is broken), n = 64,
-    `INTERPRETER_TILES`. Our GEMM's rate counts only if its output matches torch.matmul's within
-    GEMM_REL_L2_BAR; otherwise, or if it fails to compile or launch, the reason goes into `notes`.
+    GPU: bf16, n = 8192, `GPU_TILES` and `pingpong.TILES`. Interpreter: fp16 (its bf16 tl.dot is
+    broken), n = 64, `INTERPRETER_TILES`. Each of our GEMMs counts only if its output matches
+    torch.matmul's within GEMM_REL_L2_BAR; otherwise, or if it fails to compile or launch, the reason
+    goes into `notes`.
     """
     gpu = target.has_gpu()
     n = n or (8192 if gpu else 64)
@@ -157,16 +175,16 @@ def measure_matmul_rate(n: int | None = None, *, reps: int = 20) -> MatmulRates:
     c_torch = torch.matmul(a_MK, b_NK.T)
     torch_rate = flops / (time_fn(lambda: torch.matmul(a_MK, b_NK.T), reps=reps).median_ms * 1e-3)
     c_ours = torch.empty_like(c_torch)
-    try:
-        launch = _gemm_launcher(a_MK, b_NK, c_ours, tiles)
-        launch()
-        rel = float((c_ours.float() - c_torch.float()).norm() / c_torch.float().norm())
-        if not rel <= GEMM_REL_L2_BAR:
-            return MatmulRates(torch_rate, None, (f"triton GEMM rejected: relative L2 {rel:.2e} vs torch.matmul",))
-        ours_rate = flops / (time_fn(launch, reps=reps).median_ms * 1e-3)
-    except Exception as exc:  # noqa: BLE001 - any failure of our GEMM means "use torch's rate"; say why
-        return MatmulRates(torch_rate, None, (f"triton GEMM failed: {type(exc).__name__}: {exc}"[:500],))
-    return MatmulRates(torch_rate, ours_rate, (f"triton GEMM relative L2 vs torch.matmul {rel:.2e}",))
+    triton_rate, triton_note = _checked_rate("triton GEMM", lambda: _gemm_launcher(a_MK, b_NK, c_ours, tiles),
+                                             c_ours, c_torch, flops, reps)
+    if not gpu:  # Gluon kernels do not run under the interpreter
+        return MatmulRates(torch_rate, triton_rate, (triton_note,))
+    from . import pingpong
+
+    c_ours.zero_()
+    gluon_rate, gluon_note = _checked_rate("gluon ping-pong GEMM", lambda: pingpong.launcher(a_MK, b_NK, c_ours),
+                                           c_ours, c_torch, flops, reps)
+    return MatmulRates(torch_rate, triton_rate, (triton_note, gluon_note), gluon_rate)
 
 
 def gemm_sm90_compile_report(tiles: GemmTiles = GPU_TILES) -> dict:
@@ -210,10 +228,11 @@ class Ceilings:
     """The two rates the floor divides by, and how the matrix rate was chosen."""
 
     read_bytes_per_s: float
-    matmul_flops_per_s: float  # max of the two below
+    matmul_flops_per_s: float  # max of the three below
     torch_matmul_flops_per_s: float
     triton_gemm_flops_per_s: float | None
     notes: tuple[str, ...] = ()
+    gluon_gemm_flops_per_s: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -224,7 +243,8 @@ def measure_ceilings(*, reps: int = 20) -> Ceilings:
     read = measure_read_bandwidth(reps=reps)
     rates = measure_matmul_rate(reps=reps)
     _free_gpu_memory()
-    return Ceilings(read, rates.best, rates.torch_flops_per_s, rates.triton_flops_per_s, rates.notes)
+    return Ceilings(read, rates.best, rates.torch_flops_per_s, rates.triton_flops_per_s, rates.notes,
+                    rates.gluon_flops_per_s)
 
 
 def floor_ms(case: Case, experts_touched: int, ceilings: Ceilings) -> float:

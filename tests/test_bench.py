@@ -15,7 +15,7 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
-from autotune import bench, peers, target, timing  # noqa: E402
+from autotune import bench, peers, pingpong, target, timing  # noqa: E402
 from autotune.reference import error_stats, moe_reference  # noqa: E402
 from autotune.workloads import DEMO_SHAPE, SEED16_SHAPE, Case, Shape, make_tokens, make_weights  # noqa: E402
 
@@ -109,7 +109,8 @@ def test_matmul_rate_checks_our_gemm():
 def test_measure_ceilings():
     c = bench.measure_ceilings(reps=2)
     assert c.read_bytes_per_s > 0 and c.matmul_flops_per_s == max(c.torch_matmul_flops_per_s,
-                                                                  c.triton_gemm_flops_per_s or 0)
+                                                                  c.triton_gemm_flops_per_s or 0,
+                                                                  c.gluon_gemm_flops_per_s or 0)
     assert json.dumps(c.as_dict())
 
 
@@ -118,6 +119,17 @@ def test_gemm_compiles_for_sm90_with_tma_and_wgmma():
     report = bench.gemm_sm90_compile_report()
     assert report["shared_bytes"] <= report["smem_limit_bytes"]
     assert report["tma_loads"] > 0 and report["wgmma"] > 0
+
+
+def test_pingpong_gemm_compiles_for_sm90_warp_specialised():
+    """The Gluon GEMM compiled here for sm_90: fits shared memory without spills, three partitions
+    (consumer, consumer, loader: 12 warps with the loader's padded to a warpgroup) with their own
+    register budgets, wgmma and TMA."""
+    report = pingpong.compile_report()
+    assert report["shared_bytes"] <= report["smem_limit_bytes"] and report["spill_bytes"] in (0, None)
+    assert report["warps"] == 12 and report["wgmma"] > 0 and report["tma_loads"] > 0
+    budgets = {int(line.split()[-1]) for line in report["setmaxnreg"]}
+    assert {pingpong.TILES.consumer_regs, pingpong.TILES.loader_regs} <= budgets
 
 
 def _tiny_bench(fn):
@@ -214,3 +226,18 @@ def test_gpu_kernel_breakdown_names_every_kernel():
     x, w, ids = make_tokens(Case(shape, 64, seed=1), "cuda")
     kernels = timing.kernel_breakdown(lambda: peers.grouped_mm_pipeline(x, w13, w2, w, ids))
     assert kernels and all(k["us"] > 0 and k["launches"] > 0 for k in kernels)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("M, N, K", [(1000, 384, 200), (256, 4096, 4096), (4096, 4096, 1024)])
+def test_gpu_pingpong_gemm_matches_torch(M, N, K):
+    """Partial tiles in M (masked stores) and K (TMA zero fill), one tile per program or several
+    (both consumers' rings and both parities)."""
+    gen = torch.Generator(device="cuda").manual_seed(M + N + K)
+    a = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
+    b = torch.randn(N, K, generator=gen, device="cuda").to(torch.bfloat16)
+    c = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    pingpong.launcher(a, b, c)()
+    ref = torch.matmul(a, b.T)
+    assert float((c.float() - ref.float()).norm() / ref.float().norm()) < bench.GEMM_REL_L2_BAR
