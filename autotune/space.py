@@ -69,6 +69,10 @@ PARAMS: tuple[Param, ...] = (
           "with half_tail, each persistent GEMM walks two block lists that dispatch writes, full blocks then "
           "half tails, in two launches, instead of branching on each tile's height (a branch inside the tile "
           "walk stops triton from overlapping one tile's epilogue with the next tile's loads)", default=False),
+    Param("g2_gluon", (False, True),
+          "GEMM2 as a warp-specialised Gluon kernel: a TMA loader warp and two consumer warpgroups taking "
+          "alternate tiles, so one's epilogue overlaps the other's wgmma (GPU only; g2_num_stages is then "
+          "stages per consumer)", default=False),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -104,6 +108,7 @@ class Variant:
     direct: bool = False
     half_tail: bool = False
     tail_walk: bool = False
+    g2_gluon: bool = False
 
     @property
     def route(self) -> str:
@@ -144,7 +149,10 @@ class Variant:
 
         pdl = " pdl" if self.pdl else ""
         half = ("/half+walk" if self.tail_walk else "/half") if self.half_tail else ""
-        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {gemm(g1)} g2 {gemm(g2)}"
+        # The Gluon GEMM2 is TMA-fed, persistent and 4 warps per consumer by construction.
+        g2_text = (f"gluon {g2['BLOCK_N']}x{g2['BLOCK_K']} G{g2['GROUP_M']} s{g2['num_stages']}" if self.g2_gluon
+                   else gemm(g2))
+        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {gemm(g1)} g2 {g2_text}"
 
 
 def _next_pow2(n: int) -> int:
@@ -171,6 +179,8 @@ def violations(v: Variant, case: Case) -> list[str]:
             bad.append("direct dispatch has no used-block count for a persistent GEMM to walk")
     if v.half_tail and (v.direct or v.block_m < 32):
         bad.append("half_tail splits a row block of at least 32 rows (a dot needs 16), and never a direct one")
+    if v.g2_gluon:
+        bad += _gluon_gemm2_violations(v, case)
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()
@@ -198,6 +208,33 @@ def violations(v: Variant, case: Case) -> list[str]:
                            f"({target.TMA_MAX_INNER_BYTES} B)")
             if (k * s.elem_bytes) % 16:
                 bad.append(f"TMA needs 16-byte aligned weight rows; K={k} is not")
+    return bad
+
+
+def _gluon_gemm2_violations(v: Variant, case: Case) -> list[str]:
+    """Why the warp-specialised Gluon GEMM2 cannot run `v` on `case`. Its structure is fixed (TMA,
+    persistent, one warpgroup per consumer), so the flags that would choose otherwise must say so,
+    and half tails, which it does not split, must be off."""
+    bad = []
+    if not target.has_gpu():
+        bad.append("g2_gluon: Gluon kernels need a GPU (there is no interpreter for them)")
+    if case.shape.dtype not in ("bfloat16", "float16"):
+        bad.append(f"g2_gluon: wgmma here takes 16-bit inputs, not {case.shape.dtype}")
+    if v.direct or v.block_m not in (64, 128):
+        bad.append("g2_gluon: a consumer warpgroup's tile is 64 or 128 rows of a sorted block")
+    if not (v.g2_weight_tma and v.g2_persistent and v.g2_num_warps == 4):
+        bad.append("g2_gluon is TMA-fed, persistent and 4 warps per consumer: set g2_weight_tma, "
+                   "g2_persistent and g2_num_warps=4")
+    if v.half_tail:
+        bad.append("g2_gluon runs every block at full height: half_tail must be off")
+    if v.block_m * v.g2_block_n // 128 > MAX_ACC_PER_THREAD:
+        bad.append(f"g2_gluon: a {v.block_m}x{v.g2_block_n} tile on one warpgroup is "
+                   f"{v.block_m * v.g2_block_n // 128} accumulators per thread > {MAX_ACC_PER_THREAD}")
+    # Two rings of stages (one per consumer) and 8 KB of epilogue scratch per consumer.
+    need = 2 * _gemm_smem(v.block_m, v.g2_block_n, v.g2_block_k, v.g2_num_stages, 1, case.shape.elem_bytes) \
+        + 2 * 8192
+    if need > target.smem_bytes():
+        bad.append(f"g2_gluon needs {need // 1024} KB shared memory > {target.smem_bytes() // 1024} KB")
     return bad
 
 

@@ -29,3 +29,16 @@ def test_the_accumulator_rule_matches_the_compiler():
     assert any("accumulators per thread" in r for r in space.violations(v, case))
     gemm1 = sm90.gemm_reports(v, case)[0]
     assert gemm1.spill_bytes is None or gemm1.spill_bytes > 0
+
+
+def test_gluon_gemm2_compiles_warp_specialised():
+    """The Gluon GEMM2 (no interpreter: this compile is its CPU check) fits shared memory with both
+    consumer rings, does not spill, and runs on wgmma fed by TMA."""
+    case = Case(SEED16_SHAPE, 32768)
+    v = dataclasses.replace(small_variant(tma=True, persistent=True, block_m=128, bn=128, bk=64), g1_num_warps=8,
+                            g2_num_stages=3, g2_gluon=True)
+    assert [r for r in space.violations(v, case) if "need a GPU" not in r] == []
+    gemm2 = sm90.gemm_reports(v, case)[1]
+    assert gemm2.name == "_gemm2_gluon_kernel"
+    assert gemm2.wgmma > 0 and gemm2.tma_copies > 0 and gemm2.spill_bytes in (0, None)
+    assert 0 < gemm2.shared_bytes <= 227 * 1024

@@ -73,3 +73,18 @@ def test_direct_dispatch_only_where_it_can_pay():
     assert any("persistent" in r for r in space.violations(small_variant("direct", persistent=True), tiny))
     split = dataclasses.replace(small_variant("direct"), dispatch="split")
     assert any("dispatch=fused" in r for r in space.violations(split, tiny))
+
+
+def test_gluon_gemm2_says_what_it_is():
+    """The Gluon GEMM2 is TMA-fed, persistent, one warpgroup per consumer and full height: the flags
+    must agree, and without a GPU it cannot run at all."""
+    case = Case(SEED16_SHAPE, T=8192)
+    ok = dataclasses.replace(small_variant(tma=True, persistent=True, block_m=128, bn=128, bk=64), g1_num_warps=8,
+                             g2_gluon=True)
+    assert [r for r in space.violations(ok, case) if "need a GPU" not in r] == []
+    for change, words in (({"g2_persistent": False}, "persistent"), ({"g2_num_warps": 8}, "g2_num_warps=4"),
+                          ({"block_m": 32}, "64 or 128 rows"), ({"half_tail": True}, "half_tail"),
+                          ({"g2_block_n": 256}, "accumulators per thread")):
+        assert any(words in r for r in space.violations(dataclasses.replace(ok, **change), case)), change
+    fp32 = Case(dataclasses.replace(SEED16_SHAPE, dtype="float32"), T=8192)
+    assert any("16-bit" in r for r in space.violations(ok, fp32))
