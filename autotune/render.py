@@ -88,6 +88,7 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     # Rendered only when a row uses them, so modules without them keep their source (and trial hashes).
     half_tail = any(r.v.half_tail for r in rows)
     tail_walk = any(r.v.tail_walk for r in rows)
+    gluon_gemm1 = any(r.v.g1_gluon for r in rows)
     gluon_gemm2 = any(r.v.g2_gluon for r in rows)
     return _ENV.get_template("module.py.j2").render(
         title=title,
@@ -98,10 +99,12 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk} for f in forms2],
         half_tail=half_tail,
         tail_walk=tail_walk,
+        gluon_gemm1=gluon_gemm1,
         gluon_gemm2=gluon_gemm2,
+        any_gluon=gluon_gemm1 or gluon_gemm2,
         any_tma=any(r.v.g1_weight_tma or r.v.g2_weight_tma for r in rows),
-        # The Gluon GEMM2 is persistent by construction: its grid needs the SM count too.
-        any_persistent=any(r.v.g1_persistent or r.v.g2_persistent or r.v.g2_gluon for r in rows),
+        # The Gluon GEMMs are persistent by construction: their grids need the SM count too.
+        any_persistent=any(r.v.g1_persistent or r.v.g2_persistent or r.v.g1_gluon or r.v.g2_gluon for r in rows),
         split_dispatch=any(r.v.route == "split" for r in rows),
         direct_dispatch=any(r.v.direct for r in rows),
         split_activation=any(r.v.activation == "split" for r in rows),

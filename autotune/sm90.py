@@ -126,21 +126,22 @@ def in_compiler_process(function: str, *args):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _compile_gluon_gemm2(fn, module, case: Case, v: Variant):
-    """The warp-specialised Gluon GEMM2 of `v` compiled for sm_90, as its launcher would launch it."""
+def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
+    """The warp-specialised Gluon GEMM `which` of `v` compiled for sm_90, as its launcher would launch it."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     dt = _TRITON_TYPES[case.shape.dtype]
     gl_dt = {"bfloat16": gl.bfloat16, "float16": gl.float16}[case.shape.dtype]
-    g = v.gemm(2)
+    g = v.gemm(which)
 
     def desc(block):
         return f"tensordesc<{dt}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl_dt)!r}>"
 
     constexprs = {"STAGES": g["num_stages"], "GROUP_M": g["GROUP_M"], "CONSUMER_REGS": module._GLUON_CONSUMER_REGS,
                   "LOADER_REGS": module._GLUON_LOADER_REGS}
-    signature = {"h_desc": desc([v.block_m, g["BLOCK_K"]]), "w_desc": desc([g["BLOCK_N"], g["BLOCK_K"]])}
+    rows_desc, w_desc = fn.arg_names[:2]
+    signature = {rows_desc: desc([v.block_m, g["BLOCK_K"]]), w_desc: desc([g["BLOCK_N"], g["BLOCK_K"]])}
     for arg in fn.arg_names[2:]:
         signature[arg] = ("constexpr" if arg in constexprs else "*i32" if arg in _INDEX_POINTERS
                           else "*fp32" if arg == "topk_weights_ptr" else f"*{dt}" if arg.endswith("_ptr") else "i32")
@@ -159,14 +160,15 @@ def _compile_here(v: dict, case: dict) -> list[dict]:
     v, case = Variant.from_dict(v), Case.from_dict(case)
     module = render.load_source(render.render_variant(v))
     kernels = (
-        (1, module._GEMM1[(v.route, v.activation, v.g1_weight_tma, v.g1_persistent)]),
+        (1, module._gemm1_gluon_kernel if v.g1_gluon
+         else module._GEMM1[(v.route, v.activation, v.g1_weight_tma, v.g1_persistent)]),
         (2, module._gemm2_gluon_kernel if v.g2_gluon else module._GEMM2[(v.direct, v.g2_weight_tma, v.g2_persistent)]),
     )
     reports = []
     for which, fn in kernels:
         g = v.gemm(which)
-        if which == 2 and v.g2_gluon:
-            compiled = _compile_gluon_gemm2(fn, module, case, v)
+        if getattr(v, f"g{which}_gluon"):
+            compiled = _compile_gluon(fn, module, case, v, which)
         else:
             compiled = compile_sm90(fn, *_signature(fn, case, v, which), num_warps=g["num_warps"],
                                     num_stages=g["num_stages"])

@@ -73,6 +73,9 @@ PARAMS: tuple[Param, ...] = (
           "GEMM2 as a warp-specialised Gluon kernel: a TMA loader warp and two consumer warpgroups taking "
           "alternate tiles, so one's epilogue overlaps the other's wgmma (GPU only; g2_num_stages is then "
           "stages per consumer)", default=False),
+    Param("g1_gluon", (False, True),
+          "GEMM1 as a warp-specialised Gluon kernel like g2_gluon, over rows split dispatch put in expert "
+          "order: gate and up boxes of the same columns per step, SwiGLU in the consumers", default=False),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -109,6 +112,7 @@ class Variant:
     half_tail: bool = False
     tail_walk: bool = False
     g2_gluon: bool = False
+    g1_gluon: bool = False
 
     @property
     def route(self) -> str:
@@ -150,9 +154,12 @@ class Variant:
         pdl = " pdl" if self.pdl else ""
         half = ("/half+walk" if self.tail_walk else "/half") if self.half_tail else ""
         # The Gluon GEMM2 is TMA-fed, persistent and 4 warps per consumer by construction.
-        g2_text = (f"gluon {g2['BLOCK_N']}x{g2['BLOCK_K']} G{g2['GROUP_M']} s{g2['num_stages']}" if self.g2_gluon
-                   else gemm(g2))
-        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {gemm(g1)} g2 {g2_text}"
+        def gluon(g):
+            return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} s{g['num_stages']}"
+
+        g1_text = gluon(g1) if self.g1_gluon else gemm(g1)
+        g2_text = gluon(g2) if self.g2_gluon else gemm(g2)
+        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}"
 
 
 def _next_pow2(n: int) -> int:
@@ -179,8 +186,9 @@ def violations(v: Variant, case: Case) -> list[str]:
             bad.append("direct dispatch has no used-block count for a persistent GEMM to walk")
     if v.half_tail and (v.direct or v.block_m < 32):
         bad.append("half_tail splits a row block of at least 32 rows (a dot needs 16), and never a direct one")
-    if v.g2_gluon:
-        bad += _gluon_gemm2_violations(v, case)
+    for which in (1, 2):
+        if getattr(v, f"g{which}_gluon"):
+            bad += _gluon_violations(v, case, which)
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()
@@ -211,30 +219,36 @@ def violations(v: Variant, case: Case) -> list[str]:
     return bad
 
 
-def _gluon_gemm2_violations(v: Variant, case: Case) -> list[str]:
-    """Why the warp-specialised Gluon GEMM2 cannot run `v` on `case`. Its structure is fixed (TMA,
-    persistent, one warpgroup per consumer), so the flags that would choose otherwise must say so,
-    and half tails, which it does not split, must be off."""
+def _gluon_violations(v: Variant, case: Case, which: int) -> list[str]:
+    """Why the warp-specialised Gluon GEMM `which` cannot run `v` on `case`. Its structure is fixed
+    (TMA, persistent, one warpgroup per consumer, full-height tiles), so the flags that would choose
+    otherwise must say so."""
+    name, g = f"g{which}_gluon", v.gemm(which)
     bad = []
     if not target.has_gpu():
-        bad.append("g2_gluon: Gluon kernels need a GPU (there is no interpreter for them)")
+        bad.append(f"{name}: Gluon kernels need a GPU (there is no interpreter for them)")
     if case.shape.dtype not in ("bfloat16", "float16"):
-        bad.append(f"g2_gluon: wgmma here takes 16-bit inputs, not {case.shape.dtype}")
+        bad.append(f"{name}: wgmma here takes 16-bit inputs, not {case.shape.dtype}")
     if v.direct or v.block_m not in (64, 128):
-        bad.append("g2_gluon: a consumer warpgroup's tile is 64 or 128 rows of a sorted block")
-    if not (v.g2_weight_tma and v.g2_persistent and v.g2_num_warps == 4):
-        bad.append("g2_gluon is TMA-fed, persistent and 4 warps per consumer: set g2_weight_tma, "
-                   "g2_persistent and g2_num_warps=4")
+        bad.append(f"{name}: a consumer warpgroup's tile is 64 or 128 rows of a sorted block")
+    if not (g["weight_tma"] and g["persistent"] and g["num_warps"] == 4):
+        bad.append(f"{name} is TMA-fed, persistent and 4 warps per consumer: set g{which}_weight_tma, "
+                   f"g{which}_persistent and g{which}_num_warps=4")
     if v.half_tail:
-        bad.append("g2_gluon runs every block at full height: half_tail must be off")
-    if v.block_m * v.g2_block_n // 128 > MAX_ACC_PER_THREAD:
-        bad.append(f"g2_gluon: a {v.block_m}x{v.g2_block_n} tile on one warpgroup is "
-                   f"{v.block_m * v.g2_block_n // 128} accumulators per thread > {MAX_ACC_PER_THREAD}")
+        bad.append(f"{name} runs every block at full height: half_tail must be off")
+    if which == 1 and (v.dispatch != "split" or v.activation != "fused"):
+        bad.append("g1_gluon reads rows by TMA and applies SwiGLU itself: dispatch=split, activation=fused")
+    # GEMM1 holds a gate and an up accumulator; one warpgroup is 128 threads.
+    b_tiles = 2 if which == 1 else 1
+    acc = b_tiles * v.block_m * g["BLOCK_N"] // 128
+    if acc > MAX_ACC_PER_THREAD:
+        bad.append(f"{name}: {b_tiles} x {v.block_m}x{g['BLOCK_N']} accumulators on one warpgroup is {acc} per "
+                   f"thread > {MAX_ACC_PER_THREAD}")
     # Two rings of stages (one per consumer) and 8 KB of epilogue scratch per consumer.
-    need = 2 * _gemm_smem(v.block_m, v.g2_block_n, v.g2_block_k, v.g2_num_stages, 1, case.shape.elem_bytes) \
+    need = 2 * _gemm_smem(v.block_m, g["BLOCK_N"], g["BLOCK_K"], g["num_stages"], b_tiles, case.shape.elem_bytes) \
         + 2 * 8192
     if need > target.smem_bytes():
-        bad.append(f"g2_gluon needs {need // 1024} KB shared memory > {target.smem_bytes() // 1024} KB")
+        bad.append(f"{name} needs {need // 1024} KB shared memory > {target.smem_bytes() // 1024} KB")
     return bad
 
 

@@ -40,6 +40,10 @@ VARIANTS = {
                                     True, True, False, True, g2_gluon=True),
     "split/fused gluon g2 M64": Variant("split", "fused", 64, 128, 64, 8, 4, 4, 256, 64, 8, 4, 2,
                                         True, True, True, True, g2_gluon=True),
+    "split/fused gluon g1 g2": Variant("split", "fused", 128, 64, 64, 8, 4, 3, 128, 64, 8, 4, 3,
+                                       True, True, True, True, g1_gluon=True, g2_gluon=True),
+    "split/fused gluon g1 M64": Variant("split", "fused", 64, 64, 64, 8, 4, 4, 128, 64, 8, 8, 3,
+                                        True, True, True, False, g1_gluon=True),
 }
 
 

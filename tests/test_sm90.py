@@ -42,3 +42,15 @@ def test_gluon_gemm2_compiles_warp_specialised():
     assert gemm2.name == "_gemm2_gluon_kernel"
     assert gemm2.wgmma > 0 and gemm2.tma_copies > 0 and gemm2.spill_bytes in (0, None)
     assert 0 < gemm2.shared_bytes <= 227 * 1024
+
+
+def test_gluon_gemm1_compiles_warp_specialised():
+    """The Gluon GEMM1: gate and up accumulators on each consumer warpgroup, no spills, wgmma fed by TMA."""
+    case = Case(SEED16_SHAPE, 32768)
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=64, bk=64),
+                            g1_num_stages=3, g2_num_warps=8, g1_gluon=True)
+    assert [r for r in space.violations(v, case) if "need a GPU" not in r] == []
+    gemm1 = sm90.gemm_reports(v, case)[0]
+    assert gemm1.name == "_gemm1_gluon_kernel"
+    assert gemm1.wgmma > 0 and gemm1.tma_copies > 0 and gemm1.spill_bytes in (0, None)
+    assert 0 < gemm1.shared_bytes <= 227 * 1024
