@@ -5,6 +5,7 @@ import importlib.util
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import FORMS, small_variant
@@ -27,7 +28,9 @@ def every_form_module() -> str:
 def test_rendered_module_passes_ruff(tmp_path):
     path = tmp_path / "every_form.py"
     path.write_text(every_form_module())
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(path)],
+    # The project's rules (line length included), as for hand-written code.
+    config = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--config", str(config), str(path)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
