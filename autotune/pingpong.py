@@ -170,12 +170,35 @@ def launcher(a_MK: torch.Tensor, b_NK: torch.Tensor, c_MN: torch.Tensor, tiles: 
     )
 
 
+def measure(n: int, reps: int, *, timeout: float = 300) -> dict:
+    """Relative L2 against torch.matmul and FLOP/s of the kernel on bf16 n x n x n (2n^3 FLOPs), in a
+    child process: a kernel that hangs or faults cannot take the caller with it. The inputs are the
+    bench's (seed 0); raises RuntimeError or subprocess.TimeoutExpired on failure."""
+    from .sm90 import in_child_process
+
+    return in_child_process("autotune.pingpong:_measure_here", n, reps, timeout=timeout)
+
+
+def _measure_here(n: int, reps: int) -> dict:
+    from .timing import time_fn
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a_MK = torch.randn(n, n, generator=gen, device="cuda").to(torch.bfloat16)
+    b_NK = torch.randn(n, n, generator=gen, device="cuda").to(torch.bfloat16)
+    c_ref = torch.matmul(a_MK, b_NK.T)
+    c_MN = torch.empty_like(c_ref)
+    launch = launcher(a_MK, b_NK, c_MN)
+    launch()
+    rel = float((c_MN.float() - c_ref.float()).norm() / c_ref.float().norm())
+    return {"rel_l2": rel, "flops_per_s": 2 * n**3 / (time_fn(launch, reps=reps).median_ms * 1e-3)}
+
+
 def compile_report(tiles: PingPongTiles = TILES) -> dict:
     """Compile the kernel for sm_90 here, GPU or not (a child process: the interpreter must be off);
     shared memory, registers and spills, and the instructions that show it is what it claims."""
-    from .sm90 import in_compiler_process
+    from .sm90 import in_child_process
 
-    return in_compiler_process("autotune.pingpong:_compile_here", tiles.as_dict())
+    return in_child_process("autotune.pingpong:_compile_here", tiles.as_dict())
 
 
 def _compile_here(tiles: dict) -> dict:

@@ -113,16 +113,18 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     return (int(reg.group(1)) if reg else None), (int(stack.group(1)) if stack else None)
 
 
-def in_compiler_process(function: str, *args):
+def in_child_process(function: str, *args, timeout: float = 600):
     """Call `function` ("module:name", JSON arguments and result) in a child Python with the
-    interpreter off. Where TRITON_INTERPRET=1 was set before triton was imported, even triton's own
-    library functions are interpreter objects, and nothing compiles in that process."""
+    interpreter off; RuntimeError with its stderr if it fails, subprocess.TimeoutExpired past
+    `timeout` seconds. Where TRITON_INTERPRET=1 was set before triton was imported, even triton's own
+    library functions are interpreter objects, and nothing compiles in that process; and a kernel
+    that hangs or poisons the CUDA context takes only the child with it."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-m", "autotune.sm90", function, json.dumps(args)],
-                         capture_output=True, text=True, env=env, timeout=600,
+                         capture_output=True, text=True, env=env, timeout=timeout,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if out.returncode != 0:
-        raise RuntimeError(f"sm_90 compile failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{function} failed in a child process:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -152,8 +154,7 @@ def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
 
 def gemm_reports(v: Variant, case: Case) -> list[KernelReport]:
     """Compile GEMM1 and GEMM2 of `v` for sm_90 as they would launch on `case`."""
-    return [KernelReport(**r) for r in in_compiler_process("autotune.sm90:_compile_here", v.as_dict(),
-                                                           case.as_dict())]
+    return [KernelReport(**r) for r in in_child_process("autotune.sm90:_compile_here", v.as_dict(), case.as_dict())]
 
 
 def _compile_here(v: dict, case: dict) -> list[dict]:
