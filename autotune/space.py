@@ -7,6 +7,7 @@ compile-time constants of each kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 from . import target
@@ -22,6 +23,34 @@ class Param:
     cap: str | None = None
     # The value that trials recorded before this parameter existed ran with.
     default: object = None
+    # Asked only when this holds for the answers so far (dict by name) and the case; otherwise the
+    # parameter keeps its default. Conditional parameters are asked after all others, in order.
+    when: Callable[[dict, Case], bool] | None = None
+
+
+# When the conditional parameters can take effect, given the answers so far (`v`, by name). The full
+# rules, with reasons, are `violations`; these only keep the sampler off points they would reject.
+def _direct_can_run(v: dict, case: Case) -> bool:
+    return (case.T * case.shape.k <= DIRECT_MAX_SLOTS and v["dispatch"] == "fused" and v["block_m"] == 16
+            and not (v["g1_persistent"] or v["g2_persistent"]))
+
+
+def _half_tail_can_run(v: dict, case: Case) -> bool:
+    return v["block_m"] >= 32 and not v["direct"]
+
+
+def _tail_walk_can_run(v: dict, case: Case) -> bool:
+    return v["half_tail"] and (v["g1_persistent"] or v["g2_persistent"])
+
+
+def _gluon_can_run(which: int) -> Callable[[dict, Case], bool]:
+    def can_run(v: dict, case: Case) -> bool:
+        g = f"g{which}_"
+        return (target.has_gpu() and case.shape.dtype in ("bfloat16", "float16") and v["block_m"] in (64, 128)
+                and v[g + "weight_tma"] and v[g + "persistent"] and v[g + "num_warps"] == 4
+                and not (v["half_tail"] or v["direct"])
+                and (which == 2 or (v["dispatch"] == "split" and v["activation"] == "fused")))
+    return can_run
 
 
 PARAMS: tuple[Param, ...] = (
@@ -30,7 +59,8 @@ PARAMS: tuple[Param, ...] = (
           "writes the rows expert-contiguous so GEMM1 reads a plain grouped layout"),
     Param("direct", (False, True),
           "tiny T: no sort and no dispatch launch; row block b is slot b alone and GEMM1 gathers its token "
-          "row (needs dispatch=fused), so an expert two slots share is read twice", default=False),
+          "row (needs dispatch=fused), so an expert two slots share is read twice", default=False,
+          when=_direct_can_run),
     Param("activation", ("fused", "split"),
           "fused: SiLU(gate)*up in GEMM1's epilogue, which writes [M, I]; split: GEMM1 writes [M, 2I] and "
           "an activation kernel reduces it"),
@@ -64,18 +94,20 @@ PARAMS: tuple[Param, ...] = (
     Param("half_tail", (False, True),
           "an expert's last row block, when it holds at most block_m/2 rows, runs as a tile of half the "
           "rows in both GEMMs: less padded tensor work where experts get a few blocks each (T*k/E near "
-          "block_m)", default=False),
+          "block_m)", default=False, when=_half_tail_can_run),
     Param("tail_walk", (False, True),
           "with half_tail, each persistent GEMM walks two block lists that dispatch writes, full blocks then "
           "half tails, in two launches, instead of branching on each tile's height (a branch inside the tile "
-          "walk stops triton from overlapping one tile's epilogue with the next tile's loads)", default=False),
+          "walk stops triton from overlapping one tile's epilogue with the next tile's loads)", default=False,
+          when=_tail_walk_can_run),
     Param("g2_gluon", (False, True),
           "GEMM2 as a warp-specialised Gluon kernel: a TMA loader warp and two consumer warpgroups taking "
           "alternate tiles, so one's epilogue overlaps the other's wgmma (GPU only; g2_num_stages is then "
-          "stages per consumer)", default=False),
+          "stages per consumer)", default=False, when=_gluon_can_run(2)),
     Param("g1_gluon", (False, True),
           "GEMM1 as a warp-specialised Gluon kernel like g2_gluon, over rows split dispatch put in expert "
-          "order: gate and up boxes of the same columns per step, SwiGLU in the consumers", default=False),
+          "order: gate and up boxes of the same columns per step, SwiGLU in the consumers", default=False,
+          when=_gluon_can_run(1)),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -285,8 +317,15 @@ def choices(p: Param, case: Case) -> tuple:
 
 
 def suggest(trial, case: Case) -> Variant:
-    """Ask an Optuna trial for one value of every parameter (define-by-run, no conditions yet)."""
-    return Variant(**{p.name: trial.suggest_categorical(p.name, choices(p, case)) for p in PARAMS})
+    """Ask an Optuna trial for a variant, define-by-run: every unconditional parameter, then each
+    conditional one whose `when` holds for the answers so far (the rest keep their defaults), so the
+    sampler does not spend its trials on points the rules would reject."""
+    values = {p.name: trial.suggest_categorical(p.name, choices(p, case)) for p in PARAMS if p.when is None}
+    for p in PARAMS:
+        if p.when is not None:
+            values[p.name] = (trial.suggest_categorical(p.name, choices(p, case)) if p.when(values, case)
+                              else p.default)
+    return Variant(**values)
 
 
 def starting_points(case: Case) -> list[Variant]:

@@ -98,3 +98,24 @@ def test_gluon_gemm1_needs_rows_in_expert_order():
     for change, words in (({"dispatch": "fused"}, "dispatch=split"), ({"activation": "split"}, "activation=fused"),
                           ({"g1_block_n": 128}, "per thread"), ({"g1_weight_tma": False}, "g1_weight_tma")):
         assert any(words in r for r in space.violations(dataclasses.replace(ok, **change), case)), change
+
+
+def test_sampler_is_asked_only_what_can_take_effect():
+    """Conditional parameters are asked only where they can run, so random points on a small case
+    mostly pass the rules (each unconditional binary rule would otherwise halve the yield)."""
+    import optuna
+
+    from autotune.workloads import DEMO_SHAPE
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for T in (1, 33):
+        case = Case(DEMO_SHAPE, T)
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=T))
+        valid = 0
+        for _ in range(100):
+            trial = study.ask()
+            v = space.suggest(trial, case)
+            valid += not space.violations(v, case)
+            assert space.Variant.from_dict(trial.params) == v  # what a trial records rebuilds its variant
+            study.tell(trial, 1.0)
+        assert valid >= 50, (T, valid)
