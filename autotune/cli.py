@@ -144,7 +144,9 @@ def cmd_show(args) -> int:
     with Session(db.connect(_url(args))) as session:
         fps = db.fingerprints(session)
         if not fps:
-            print("the database holds no runs yet")
+            url = _url(args)
+            print(f"{url} holds no runs yet" + ("" if url == db.GPU_URL else
+                                                f" (the committed GPU runs are in --db {db.GPU_URL})"))
             return 0
         for fp in fps:
             print(f"== {fp}: per case, the fastest trial of the code the templates render today "
