@@ -202,17 +202,12 @@ def compile_report(tiles: PingPongTiles = TILES) -> dict:
 
 
 def _compile_here(tiles: dict) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from .sm90 import _resource_usage
+    from .sm90 import _resource_usage, compile_gluon_sm90, gluon_descriptor_type
 
     t = PingPongTiles(**tiles)
-    a_box, b_box = [t.block_m, t.block_k], [t.block_n, t.block_k]
     signature = {
-        "a_desc": f"tensordesc<bf16[{a_box[0]}, {a_box[1]}],{_shared_layout(a_box)!r}>",
-        "b_desc": f"tensordesc<bf16[{b_box[0]}, {b_box[1]}],{_shared_layout(b_box)!r}>",
+        "a_desc": gluon_descriptor_type("bfloat16", [t.block_m, t.block_k]),
+        "b_desc": gluon_descriptor_type("bfloat16", [t.block_n, t.block_k]),
         "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32", "K": "i32",
         "STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr",
     }
@@ -220,8 +215,7 @@ def _compile_here(tiles: dict) -> dict:
                   "LOADER_REGS": t.loader_regs}
     # What the JIT would assume at launch for 16-aligned pointers and strides.
     attrs = {(2,): [["tt.divisibility", 16]], (3,): [["tt.divisibility", 16]]}
-    compiled = triton.compile(GluonASTSource(pingpong_gemm_kernel, signature, constexprs, attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": CONSUMER_WARPS})
+    compiled = compile_gluon_sm90(pingpong_gemm_kernel, signature, constexprs, attrs, num_warps=CONSUMER_WARPS)
     ptx = compiled.asm["ptx"]
     registers, spill = _resource_usage(compiled.asm["cubin"])
     return {

@@ -128,28 +128,37 @@ def in_child_process(function: str, *args, timeout: float = 600):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
-    """The warp-specialised Gluon GEMM `which` of `v` compiled for sm_90, as its launcher would launch it."""
+def gluon_descriptor_type(dtype: str, block: list[int]) -> str:
+    """The signature type of a Gluon TMA descriptor over `dtype` ("bfloat16"/"float16") in `block`
+    boxes, with the shared-memory layout its launcher builds (NVMMASharedLayout.get_default_for)."""
     from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, {"bfloat16": gl.bfloat16, "float16": gl.float16}[dtype])
+    return f"tensordesc<{_TRITON_TYPES[dtype]}[{block[0]}, {block[1]}],{layout!r}>"
+
+
+def compile_gluon_sm90(fn, signature: dict, constexprs: dict, attrs: dict | None = None, *, num_warps: int):
+    """triton.compile of a Gluon kernel for sm_90 (warp size 32), whatever GPU this machine has."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
+
+
+def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
+    """The warp-specialised Gluon GEMM `which` of `v` compiled for sm_90, as its launcher would launch it."""
     dt = _TRITON_TYPES[case.shape.dtype]
-    gl_dt = {"bfloat16": gl.bfloat16, "float16": gl.float16}[case.shape.dtype]
     g = v.gemm(which)
-
-    def desc(block):
-        return f"tensordesc<{dt}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl_dt)!r}>"
-
     constexprs = {"STAGES": g["num_stages"], "GROUP_M": g["GROUP_M"], "CONSUMER_REGS": module._GLUON_CONSUMER_REGS,
                   "LOADER_REGS": module._GLUON_LOADER_REGS}
     rows_desc, w_desc = fn.arg_names[:2]
-    signature = {rows_desc: desc([v.block_m, g["BLOCK_K"]]), w_desc: desc([g["BLOCK_N"], g["BLOCK_K"]])}
+    signature = {rows_desc: gluon_descriptor_type(case.shape.dtype, [v.block_m, g["BLOCK_K"]]),
+                 w_desc: gluon_descriptor_type(case.shape.dtype, [g["BLOCK_N"], g["BLOCK_K"]])}
     for arg in fn.arg_names[2:]:
         signature[arg] = ("constexpr" if arg in constexprs else "*i32" if arg in _INDEX_POINTERS
                           else "*fp32" if arg == "topk_weights_ptr" else f"*{dt}" if arg.endswith("_ptr") else "i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg.endswith("_ptr")}
-    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4})
+    return compile_gluon_sm90(fn, signature, constexprs, attrs, num_warps=4)
 
 
 def gemm_reports(v: Variant, case: Case) -> list[KernelReport]:

@@ -185,7 +185,7 @@ class Variant:
 
         pdl = " pdl" if self.pdl else ""
         half = ("/half+walk" if self.tail_walk else "/half") if self.half_tail else ""
-        # The Gluon GEMM2 is TMA-fed, persistent and 4 warps per consumer by construction.
+        # A Gluon GEMM is TMA-fed, persistent and 4 warps per consumer by construction.
         def gluon(g):
             return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} s{g['num_stages']}"
 
