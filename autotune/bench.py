@@ -130,7 +130,7 @@ def _gemm_launcher(a_MK: torch.Tensor, b_NK: torch.Tensor, c_MN: torch.Tensor, t
 @dataclass(frozen=True)
 class MatmulRates:
     """FLOP/s of torch.matmul, of our persistent TMA GEMM and (GPU only) of our warp-specialised
-    Gluon ping-pong GEMM; None for one of ours that failed or was wrong."""
+    Gluon GEMM (`wsgemm`); None for one of ours that failed or was wrong."""
 
     torch_flops_per_s: float
     triton_flops_per_s: float | None
@@ -158,9 +158,9 @@ def _checked_rate(name: str, launch_factory, c_ours, c_ref, flops: int, reps: in
 
 def measure_matmul_rate(n: int | None = None, *, reps: int = 20) -> MatmulRates:
     """The best of torch.matmul, our persistent TMA GEMM and (GPU only) our warp-specialised Gluon
-    ping-pong GEMM on one n×n×n problem (2n³ FLOPs).
+    GEMM (`wsgemm`) on one n×n×n problem (2n³ FLOPs).
 
-    GPU: bf16, n = 8192, `GPU_TILES` and `pingpong.TILES`. Interpreter: fp16 (its bf16 tl.dot is
+    GPU: bf16, n = 8192, `GPU_TILES` and `wsgemm.TILES`. Interpreter: fp16 (its bf16 tl.dot is
     broken), n = 64, `INTERPRETER_TILES`. Each of our GEMMs counts only if its output matches
     torch.matmul's within GEMM_REL_L2_BAR; otherwise, or if it fails to compile or launch, the reason
     goes into `notes`.
@@ -184,17 +184,17 @@ def measure_matmul_rate(n: int | None = None, *, reps: int = 20) -> MatmulRates:
 
 
 def _gluon_rate(n: int, reps: int) -> tuple[float | None, str]:
-    """The Gluon ping-pong GEMM's FLOP/s on the same problem, measured in a child process (it has
+    """The warp-specialised Gluon GEMM's FLOP/s on the same problem, measured in a child process (it has
     not been seen to run yet: a hang must not stop the bench), counted only within GEMM_REL_L2_BAR."""
-    from . import pingpong
+    from . import wsgemm
 
     try:
-        r = pingpong.measure(n, reps)
+        r = wsgemm.measure(n, reps)
     except Exception as exc:  # noqa: BLE001 - a failure means "not a ceiling candidate"; say why
-        return None, f"gluon ping-pong GEMM failed: {type(exc).__name__}: {str(exc)[-400:]}"
+        return None, f"gluon GEMM failed: {type(exc).__name__}: {str(exc)[-400:]}"
     if not r["rel_l2"] <= GEMM_REL_L2_BAR:
-        return None, f"gluon ping-pong GEMM rejected: relative L2 {r['rel_l2']:.2e} vs torch.matmul"
-    return r["flops_per_s"], f"gluon ping-pong GEMM relative L2 vs torch.matmul {r['rel_l2']:.2e} (child process)"
+        return None, f"gluon GEMM rejected: relative L2 {r['rel_l2']:.2e} vs torch.matmul"
+    return r["flops_per_s"], f"gluon GEMM relative L2 vs torch.matmul {r['rel_l2']:.2e} (child process)"
 
 
 def gemm_sm90_compile_report(tiles: GemmTiles = GPU_TILES) -> dict:

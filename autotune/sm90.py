@@ -39,6 +39,7 @@ class KernelReport:
     wgmma: int  # wgmma instructions in the PTX
     tma_copies: int  # cp.async.bulk.tensor in the PTX
     async_copies: int  # cp.async (non-bulk) in the PTX
+    wgmma_shapes: tuple[str, ...] = ()  # the wgmma instruction shapes, e.g. "m64n256k16"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -149,8 +150,7 @@ def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
     """The warp-specialised Gluon GEMM `which` of `v` compiled for sm_90, as its launcher would launch it."""
     dt = _TRITON_TYPES[case.shape.dtype]
     g = v.gemm(which)
-    constexprs = {"STAGES": g["num_stages"], "GROUP_M": g["GROUP_M"], "CONSUMER_REGS": module._GLUON_CONSUMER_REGS,
-                  "LOADER_REGS": module._GLUON_LOADER_REGS}
+    constexprs = {"STAGES": g["num_stages"], "GROUP_M": g["GROUP_M"], "LOADER_REGS": module._GLUON_LOADER_REGS}
     rows_desc, w_desc = fn.arg_names[:2]
     signature = {rows_desc: gluon_descriptor_type(case.shape.dtype, [v.block_m, g["BLOCK_K"]]),
                  w_desc: gluon_descriptor_type(case.shape.dtype, [g["BLOCK_N"], g["BLOCK_K"]])}
@@ -158,7 +158,7 @@ def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
         signature[arg] = ("constexpr" if arg in constexprs else "*i32" if arg in _INDEX_POINTERS
                           else "*fp32" if arg == "topk_weights_ptr" else f"*{dt}" if arg.endswith("_ptr") else "i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg.endswith("_ptr")}
-    return compile_gluon_sm90(fn, signature, constexprs, attrs, num_warps=4)
+    return compile_gluon_sm90(fn, signature, constexprs, attrs, num_warps=g["num_warps"])
 
 
 def gemm_reports(v: Variant, case: Case) -> list[KernelReport]:
@@ -188,6 +188,7 @@ def _compile_here(v: dict, case: dict) -> list[dict]:
             name=fn.__name__, shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spill,
             wgmma=ptx.count("wgmma.mma_async"), tma_copies=ptx.count("cp.async.bulk.tensor"),
             async_copies=len(re.findall(r"cp\.async\.c[ag]", ptx)),
+            wgmma_shapes=tuple(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))),
         ).as_dict())
     return reports
 

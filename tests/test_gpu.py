@@ -35,12 +35,12 @@ VARIANTS = {
                                                     True, True, True, True, half_tail=True, tail_walk=True),
     "fused/fused tma persistent half walk": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
                                                     True, True, True, False, half_tail=True, tail_walk=True),
-    # GEMM2 warp-specialised in Gluon: 128-row tiles (two m64 per consumer) and 64-row tiles.
-    "fused/fused gluon g2": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 128, 64, 8, 4, 3,
+    # The Gluon GEMMs (a loader warp, a warpgroup per 64 rows): 128-row tiles, and 64-row tiles.
+    "fused/fused gluon g2": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
                                     True, True, False, True, g2_gluon=True),
-    "split/fused gluon g2 M64": Variant("split", "fused", 64, 128, 64, 8, 4, 4, 256, 64, 8, 4, 2,
+    "split/fused gluon g2 M64": Variant("split", "fused", 64, 128, 64, 8, 4, 4, 256, 64, 8, 4, 3,
                                         True, True, True, True, g2_gluon=True),
-    "split/fused gluon g1 g2": Variant("split", "fused", 128, 64, 64, 8, 4, 3, 128, 64, 8, 4, 3,
+    "split/fused gluon g1 g2": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
                                        True, True, True, True, g1_gluon=True, g2_gluon=True),
     "split/fused gluon g1 M64": Variant("split", "fused", 64, 64, 64, 8, 4, 4, 128, 64, 8, 8, 3,
                                         True, True, True, False, g1_gluon=True),

@@ -32,25 +32,27 @@ def test_the_accumulator_rule_matches_the_compiler():
 
 
 def test_gluon_gemm2_compiles_warp_specialised():
-    """The Gluon GEMM2 (no interpreter: this compile is its CPU check) fits shared memory with both
-    consumer rings, does not spill, and runs on wgmma fed by TMA."""
+    """The Gluon GEMM2 (no interpreter: this compile is its CPU check) fits shared memory with its
+    ring and epilogue, does not spill, and runs on m64n256k16 wgmma fed by TMA."""
     case = Case(SEED16_SHAPE, 32768)
     v = dataclasses.replace(small_variant(tma=True, persistent=True, block_m=128, bn=128, bk=64), g1_num_warps=8,
-                            g2_num_stages=3, g2_gluon=True)
+                            g2_block_n=256, g2_num_warps=8, g2_num_stages=3, g2_gluon=True)
     assert [r for r in space.violations(v, case) if "need a GPU" not in r] == []
     gemm2 = sm90.gemm_reports(v, case)[1]
     assert gemm2.name == "_gemm2_gluon_kernel"
     assert gemm2.wgmma > 0 and gemm2.tma_copies > 0 and gemm2.spill_bytes in (0, None)
+    assert "m64n256k16" in gemm2.wgmma_shapes
     assert 0 < gemm2.shared_bytes <= 227 * 1024
 
 
 def test_gluon_gemm1_compiles_warp_specialised():
-    """The Gluon GEMM1: gate and up accumulators on each consumer warpgroup, no spills, wgmma fed by TMA."""
+    """The Gluon GEMM1: gate and up stacked in one [BLOCK_M, 2 * BLOCK_N] wgmma tile, no spills, fed by TMA."""
     case = Case(SEED16_SHAPE, 32768)
-    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=64, bk=64),
-                            g1_num_stages=3, g2_num_warps=8, g1_gluon=True)
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                            g1_num_warps=8, g1_num_stages=3, g2_num_warps=8, g1_gluon=True)
     assert [r for r in space.violations(v, case) if "need a GPU" not in r] == []
     gemm1 = sm90.gemm_reports(v, case)[0]
     assert gemm1.name == "_gemm1_gluon_kernel"
     assert gemm1.wgmma > 0 and gemm1.tma_copies > 0 and gemm1.spill_bytes in (0, None)
+    assert "m64n256k16" in gemm1.wgmma_shapes
     assert 0 < gemm1.shared_bytes <= 227 * 1024

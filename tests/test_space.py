@@ -76,15 +76,15 @@ def test_direct_dispatch_only_where_it_can_pay():
 
 
 def test_gluon_gemm2_says_what_it_is():
-    """The Gluon GEMM2 is TMA-fed, persistent, one warpgroup per consumer and full height: the flags
+    """The Gluon GEMM2 is TMA-fed, persistent, a warpgroup per 64 rows and full height: the flags
     must agree, and without a GPU it cannot run at all."""
     case = Case(SEED16_SHAPE, T=8192)
     ok = dataclasses.replace(small_variant(tma=True, persistent=True, block_m=128, bn=128, bk=64), g1_num_warps=8,
-                             g2_gluon=True)
+                             g2_num_warps=8, g2_block_n=256, g2_num_stages=3, g2_gluon=True)
     assert [r for r in space.violations(ok, case) if "need a GPU" not in r] == []
-    for change, words in (({"g2_persistent": False}, "persistent"), ({"g2_num_warps": 8}, "g2_num_warps=4"),
+    for change, words in (({"g2_persistent": False}, "persistent"), ({"g2_num_warps": 4}, "g2_num_warps must be 8"),
                           ({"block_m": 32}, "64 or 128 rows"), ({"half_tail": True}, "half_tail"),
-                          ({"g2_block_n": 256}, "per thread")):
+                          ({"g2_num_stages": 4}, "shared memory")):
         assert any(words in r for r in space.violations(dataclasses.replace(ok, **change), case)), change
     fp32 = Case(dataclasses.replace(SEED16_SHAPE, dtype="float32"), T=8192)
     assert any("16-bit" in r for r in space.violations(ok, fp32))
@@ -92,11 +92,11 @@ def test_gluon_gemm2_says_what_it_is():
 
 def test_gluon_gemm1_needs_rows_in_expert_order():
     case = Case(SEED16_SHAPE, T=8192)
-    ok = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=64, bk=64),
-                             g2_num_warps=8, g1_gluon=True)
+    ok = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                             g1_num_warps=8, g2_num_warps=8, g1_gluon=True)
     assert [r for r in space.violations(ok, case) if "need a GPU" not in r] == []
     for change, words in (({"dispatch": "fused"}, "dispatch=split"), ({"activation": "split"}, "activation=fused"),
-                          ({"g1_block_n": 128}, "per thread"), ({"g1_weight_tma": False}, "g1_weight_tma")):
+                          ({"g1_block_n": 256}, "wider than one wgmma"), ({"g1_weight_tma": False}, "g1_weight_tma")):
         assert any(words in r for r in space.violations(dataclasses.replace(ok, **change), case)), change
 
 

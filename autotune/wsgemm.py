@@ -1,27 +1,29 @@
-"""A warp-specialised ping-pong GEMM for Hopper, in Gluon: C[M, N] = A[M, K] @ B[N, K]^T, bf16 in,
+"""A warp-specialised cooperative GEMM for Hopper, in Gluon: C[M, N] = A[M, K] @ B[N, K]^T, bf16 in,
 fp32 accumulation, C in bf16.
 
 Why it exists: triton's `tl.dot` pipeline runs one instruction stream per program, so on sm_90 a
-tile's epilogue and the next tile's pipeline fill stall the tensor cores (NOTES.md, "Compiler view
-of the large-T main loop"); `tl.range(warp_specialize=True)` does not run on sm_90 in triton 3.6.
-Gluon (`triton.experimental.gluon`, part of triton) exposes TMA, mbarriers, async wgmma and warp
-specialisation directly. Here each program has three partitions:
+tile's epilogue and the next tile's pipeline fill sit between its main loops, and the shorter K is,
+the more that costs (NOTES.md 13: 812 TFLOP/s at K=8192, 737 at K=2048 for the same tile);
+`tl.range(warp_specialize=True)` does not run on sm_90 in triton 3.6. Gluon
+(`triton.experimental.gluon`, part of triton) exposes TMA, mbarriers, async wgmma and warp
+specialisation directly. Here each persistent program has two partitions over one ring of STAGES
+shared-memory stages:
 
-- a one-warp loader that issues every TMA copy;
-- two consumer warpgroups, each with its own ring of STAGES shared-memory stages, taking every other
-  output tile of the program. The loader fills the rings in tile order, so the consumers' main
-  loops take turns and one's epilogue runs while the other's wgmma run.
+- a one-warp loader that issues every TMA copy, running ahead across tiles;
+- one 8-warp consumer on a 128x256 tile (each warpgroup 64 rows, m64n256k16), whose epilogue
+  stores through shared memory by TMA and leaves the store in flight while the next tile's wgmma run.
 
-Each ring has its own barriers, so a waiter is never more than one phase from its barrier (one
-ring shared by both consumers would alias mbarrier parities across a whole tile).
+Two consumers on their own 128x128 tiles (a ping-pong) overlap the epilogue with wgmma as well, but
+each needs ~160 B/clk of shared memory per SM against ~128: measured at 571 TFLOP/s (NOTES.md 11).
 
 The bench measures it as a third matrix-ceiling candidate beside torch.matmul and our triton GEMM;
-it is also the pattern for warp-specialised grouped GEMMs. Gluon does not run under the
-interpreter: without a GPU this module only compiles (`compile_report`).
+the Gluon GEMM forms in templates/gemm_gluon.py.j2 share its structure. Gluon does not run under
+the interpreter: without a GPU this module only compiles (`compile_report`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 import torch
@@ -39,25 +41,23 @@ from . import target
 
 
 @dataclass(frozen=True)
-class PingPongTiles:
-    """Tile of one consumer warpgroup, stages per consumer ring, tile swizzle, register split."""
+class GluonTiles:
+    """Tile, ring depth and tile swizzle; consumer warps (a warpgroup per 64 rows); the loader's
+    register budget (setmaxnreg; the consumer takes the rest)."""
 
     block_m: int = 128
-    block_n: int = 128
+    block_n: int = 256
     block_k: int = 64
     stages: int = 3
     group_m: int = 8
-    # setmaxnreg budgets: a warpgroup per partition (the loader's warp is padded to one), 64K
-    # registers per SM: 2 x 128 x 232 + 128 x 40 = 64512.
-    consumer_regs: int = 232
+    consumer_warps: int = 8
     loader_regs: int = 40
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-TILES = PingPongTiles()
-CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup: the unit wgmma runs on
+TILES = GluonTiles()
 
 
 @gluon.jit
@@ -72,19 +72,16 @@ def _tile_offsets(tile, num_pid_m, num_pid_n, BM: gl.constexpr, BN: gl.constexpr
 @gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """Issue the TMA copies of this program's tiles in order: tile j into ring j % 2."""
+    """Every TMA copy of this program's tiles, in order; step i of the program goes to stage i % STAGES."""
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     num_pid_m, num_pid_n = gl.cdiv(M, BM), gl.cdiv(N, BN)
-    my_tiles = (num_pid_m * num_pid_n - pid + nprog - 1) // nprog
     k_steps = gl.cdiv(K, BK)
-    for j in range(my_tiles):
+    for j in range((num_pid_m * num_pid_n - pid + nprog - 1) // nprog):
         off_m, off_n = _tile_offsets(pid + j * nprog, num_pid_m, num_pid_n, BM, BN, GROUP_M)
-        ring = (j % 2) * STAGES
-        first = (j // 2) * k_steps  # this ring's step count before tile j
         for kk in range(k_steps):
-            step = first + kk
-            s = ring + step % STAGES
-            # Parity 1 on a fresh barrier passes at once: the first lap of the ring is free.
+            step = j * k_steps + kk
+            s = step % STAGES
+            # Parity 1 on a fresh barrier passes at once: the ring's first lap is free.
             mbarrier.wait(empty.index(s), (step // STAGES) & 1 ^ 1)
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(s), a_bufs.index(s))
@@ -92,81 +89,78 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, stride_cm, M, N, K, CONSUMER: gl.constexpr,
+def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WARPS: gl.constexpr,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """Tiles CONSUMER, CONSUMER + 2, ... of this program: wgmma from ring CONSUMER, then the epilogue."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    """Each tile: wgmma with one group in flight, stages handed back as soon as the next group is
+    issued; then the tile goes out by TMA store, which completes while the next tile runs."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BN, 16])
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     num_pid_m, num_pid_n = gl.cdiv(M, BM), gl.cdiv(N, BN)
-    my_tiles = (num_pid_m * num_pid_n - pid + nprog - 1) // nprog
     k_steps = gl.cdiv(K, BK)
-    ring = CONSUMER * STAGES
-    for j in range(CONSUMER, my_tiles, 2):
+    for j in range((num_pid_m * num_pid_n - pid + nprog - 1) // nprog):
         off_m, off_n = _tile_offsets(pid + j * nprog, num_pid_m, num_pid_n, BM, BN, GROUP_M)
-        first = (j // 2) * k_steps
         acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
         for kk in range(k_steps):
-            step = first + kk
-            s = ring + step % STAGES
+            step = j * k_steps + kk
+            s = step % STAGES
             mbarrier.wait(ready.index(s), (step // STAGES) & 1)
             acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
                                 is_async=True)
-            # At most one wgmma in flight: the previous step's is done, so its stage goes back.
             acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
-            mbarrier.arrive(empty.index(ring + (step + STAGES - 1) % STAGES), pred=kk > 0)
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=kk > 0)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(ring + (first + k_steps - 1) % STAGES))
-        c = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
-        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-        cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-        ptrs = c_ptr + gl.expand_dims(rows, 1).to(gl.int64) * stride_cm + gl.expand_dims(cols, 0)
-        gl.store(ptrs, c, mask=(gl.expand_dims(rows, 1) < M) & (gl.expand_dims(cols, 0) < N))
+        mbarrier.arrive(empty.index((j * k_steps + k_steps - 1) % STAGES))
+        tma.store_wait(0)  # the previous tile's store has left c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+    tma.store_wait(0)
 
 
 @gluon.jit
-def pingpong_gemm_kernel(a_desc, b_desc, c_ptr, stride_cm, M, N, K, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """C = A @ B^T for A [M, K] and B [N, K] by TMA descriptors ([BM, BK] and [BN, BK] boxes), C by
-    pointer; one program per SM over the grouped tile order. Launch with num_warps=4 (consumer 0)."""
+def ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                   LOADER_REGS: gl.constexpr):
+    """C = A @ B^T for A [M, K], B [N, K] and C [M, N] by TMA descriptors ([BM, BK], [BN, BK] and
+    [BM, BN] boxes); one program per SM over the grouped tile order. Launch with BM / 16 warps."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [2 * STAGES, BN, BK], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * STAGES):
+    WARPS: gl.constexpr = gl.num_warps()
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, BN], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, stride_cm, M, N, K, 0, BM, BN, BK, STAGES, GROUP_M)),
-        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, stride_cm, M, N, K, 1, BM, BN, BK, STAGES, GROUP_M)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WARPS, BM, BN, BK, STAGES, GROUP_M)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, STAGES, GROUP_M)),
-    ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])
+    ], [1], [LOADER_REGS])
 
 
 def _shared_layout(block: list[int]):
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
 
 
-def launcher(a_MK: torch.Tensor, b_NK: torch.Tensor, c_MN: torch.Tensor, tiles: PingPongTiles = TILES):
+def launcher(a_MK: torch.Tensor, b_NK: torch.Tensor, c_MN: torch.Tensor, tiles: GluonTiles = TILES):
     """A no-argument launcher of C = A @ B^T into c_MN (bf16, GPU); descriptors are built once, here."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if not (a_MK.dtype == b_NK.dtype == c_MN.dtype == torch.bfloat16):
-        raise TypeError(f"the ping-pong GEMM is bf16 only, got {a_MK.dtype}, {b_NK.dtype}, {c_MN.dtype}")
+        raise TypeError(f"the Gluon GEMM is bf16 only, got {a_MK.dtype}, {b_NK.dtype}, {c_MN.dtype}")
     (M, K), N = a_MK.shape, b_NK.shape[0]
-    a_box, b_box = [tiles.block_m, tiles.block_k], [tiles.block_n, tiles.block_k]
-    a_desc = TensorDescriptor.from_tensor(a_MK, a_box, _shared_layout(a_box))
-    b_desc = TensorDescriptor.from_tensor(b_NK, b_box, _shared_layout(b_box))
+    boxes = ([tiles.block_m, tiles.block_k], [tiles.block_n, tiles.block_k], [tiles.block_m, tiles.block_n])
+    a_desc, b_desc, c_desc = (TensorDescriptor.from_tensor(t, box, _shared_layout(box))
+                              for t, box in zip((a_MK, b_NK, c_MN), boxes, strict=True))
     n_tiles = -(-M // tiles.block_m) * -(-N // tiles.block_n)
     grid = (min(target.sm_count(), n_tiles),)
-    return lambda: pingpong_gemm_kernel[grid](
-        a_desc, b_desc, c_MN, c_MN.stride(0), M, N, K, STAGES=tiles.stages, GROUP_M=tiles.group_m,
-        CONSUMER_REGS=tiles.consumer_regs, LOADER_REGS=tiles.loader_regs, num_warps=CONSUMER_WARPS,
+    return lambda: ws_gemm_kernel[grid](
+        a_desc, b_desc, c_desc, M, N, K, STAGES=tiles.stages, GROUP_M=tiles.group_m, LOADER_REGS=tiles.loader_regs,
+        num_warps=tiles.consumer_warps,
     )
 
 
@@ -176,7 +170,7 @@ def measure(n: int, reps: int, *, timeout: float = 300) -> dict:
     bench's (seed 0); raises RuntimeError or subprocess.TimeoutExpired on failure."""
     from .sm90 import in_child_process
 
-    return in_child_process("autotune.pingpong:_measure_here", n, reps, timeout=timeout)
+    return in_child_process("autotune.wsgemm:_measure_here", n, reps, timeout=timeout)
 
 
 def _measure_here(n: int, reps: int) -> dict:
@@ -193,29 +187,26 @@ def _measure_here(n: int, reps: int) -> dict:
     return {"rel_l2": rel, "flops_per_s": 2 * n**3 / (time_fn(launch, reps=reps).median_ms * 1e-3)}
 
 
-def compile_report(tiles: PingPongTiles = TILES) -> dict:
+def compile_report(tiles: GluonTiles = TILES) -> dict:
     """Compile the kernel for sm_90 here, GPU or not (a child process: the interpreter must be off);
     shared memory, registers and spills, and the instructions that show it is what it claims."""
     from .sm90 import in_child_process
 
-    return in_child_process("autotune.pingpong:_compile_here", tiles.as_dict())
+    return in_child_process("autotune.wsgemm:_compile_here", tiles.as_dict())
 
 
 def _compile_here(tiles: dict) -> dict:
     from .sm90 import _resource_usage, compile_gluon_sm90, gluon_descriptor_type
 
-    t = PingPongTiles(**tiles)
+    t = GluonTiles(**tiles)
     signature = {
         "a_desc": gluon_descriptor_type("bfloat16", [t.block_m, t.block_k]),
         "b_desc": gluon_descriptor_type("bfloat16", [t.block_n, t.block_k]),
-        "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32", "K": "i32",
-        "STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr",
+        "c_desc": gluon_descriptor_type("bfloat16", [t.block_m, t.block_n]),
+        "M": "i32", "N": "i32", "K": "i32", "STAGES": "constexpr", "GROUP_M": "constexpr", "LOADER_REGS": "constexpr",
     }
-    constexprs = {"STAGES": t.stages, "GROUP_M": t.group_m, "CONSUMER_REGS": t.consumer_regs,
-                  "LOADER_REGS": t.loader_regs}
-    # What the JIT would assume at launch for 16-aligned pointers and strides.
-    attrs = {(2,): [["tt.divisibility", 16]], (3,): [["tt.divisibility", 16]]}
-    compiled = compile_gluon_sm90(pingpong_gemm_kernel, signature, constexprs, attrs, num_warps=CONSUMER_WARPS)
+    constexprs = {"STAGES": t.stages, "GROUP_M": t.group_m, "LOADER_REGS": t.loader_regs}
+    compiled = compile_gluon_sm90(ws_gemm_kernel, signature, constexprs, {}, num_warps=t.consumer_warps)
     ptx = compiled.asm["ptx"]
     registers, spill = _resource_usage(compiled.asm["cubin"])
     return {
@@ -225,6 +216,7 @@ def _compile_here(tiles: dict) -> dict:
         "registers": registers,
         "spill_bytes": spill,
         "wgmma": ptx.count("wgmma.mma_async"),
+        "wgmma_shapes": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
         "tma_loads": ptx.count("cp.async.bulk.tensor"),
         "setmaxnreg": sorted({line.strip().rstrip(";") for line in ptx.splitlines() if "setmaxnreg" in line}),
     }
