@@ -91,6 +91,7 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     half_tail = any(r.v.half_tail for r in rows)
     tail_walk = any(r.v.tail_walk for r in rows)
     gluon_gemm1 = any(r.v.g1_gluon for r in rows)
+    gluon_gemm1_gather = any(r.v.g1_gluon and r.v.dispatch == "fused" for r in rows)
     gluon_gemm2 = any(r.v.g2_gluon for r in rows)
     return _ENV.get_template("module.py.j2").render(
         title=title,
@@ -102,6 +103,8 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         half_tail=half_tail,
         tail_walk=tail_walk,
         gluon_gemm1=gluon_gemm1,
+        gluon_gemm1_rows=any(r.v.g1_gluon and r.v.dispatch == "split" for r in rows),
+        gluon_gemm1_gather=gluon_gemm1_gather,
         gluon_gemm2=gluon_gemm2,
         any_gluon=gluon_gemm1 or gluon_gemm2,
         any_tma=any(r.v.g1_weight_tma or r.v.g2_weight_tma for r in rows),

@@ -148,16 +148,34 @@ def compile_gluon_sm90(fn, signature: dict, constexprs: dict, attrs: dict | None
 
 def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
     """The warp-specialised Gluon GEMM `which` of `v` compiled for sm_90, as its launcher would launch it."""
+    from triton.experimental.gluon import language as gl
+
     dt = _TRITON_TYPES[case.shape.dtype]
     g = v.gemm(which)
     constexprs = {"STAGES": g["num_stages"], "GROUP_M": g["GROUP_M"], "LOADER_REGS": module._GLUON_LOADER_REGS}
-    rows_desc, w_desc = fn.arg_names[:2]
-    signature = {rows_desc: gluon_descriptor_type(case.shape.dtype, [v.block_m, g["BLOCK_K"]]),
-                 w_desc: gluon_descriptor_type(case.shape.dtype, [g["BLOCK_N"], g["BLOCK_K"]])}
-    for arg in fn.arg_names[2:]:
-        signature[arg] = ("constexpr" if arg in constexprs else "*i32" if arg in _INDEX_POINTERS
-                          else "*fp32" if arg == "topk_weights_ptr" else f"*{dt}" if arg.endswith("_ptr") else "i32")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg.endswith("_ptr")}
+    row_box, w_box = [v.block_m, g["BLOCK_K"]], [g["BLOCK_N"], g["BLOCK_K"]]
+    signature = {}
+    if fn.__name__ == "_gemm1_gluon_gather_kernel":  # rows gathered by pointer, weights by TMA
+        gl_dtype = {"bfloat16": gl.bfloat16, "float16": gl.float16}[case.shape.dtype]
+        constexprs.update(TOP_K=case.shape.k, A_LAYOUT=gl.NVMMASharedLayout.get_default_for(row_box, gl_dtype),
+                          BLOCK_M=v.block_m, LOADER_WARPS=module._GATHER_LOADER_WARPS,
+                          LOADER_REGS=module._GATHER_LOADER_REGS)
+        signature["w_desc"] = gluon_descriptor_type(case.shape.dtype, w_box)
+    else:
+        rows_desc, w_desc = fn.arg_names[:2]
+        signature = {rows_desc: gluon_descriptor_type(case.shape.dtype, row_box),
+                     w_desc: gluon_descriptor_type(case.shape.dtype, w_box)}
+    for arg in fn.arg_names:
+        signature.setdefault(arg, "constexpr" if arg in constexprs else "*i32" if arg in _INDEX_POINTERS
+                             else "*fp32" if arg == "topk_weights_ptr" else f"*{dt}" if arg.endswith("_ptr")
+                             else "i32")
+    signature = {arg: signature[arg] for arg in fn.arg_names}
+    # What the JIT would assume at launch: 16-aligned pointers, and integers it sees divisible by 16.
+    s = case.shape
+    n, k = (s.I, s.H) if which == 1 else (s.H, s.I)
+    ints = {"N": n, "K": k, "stride_xm": s.H, "stride_om": s.I, "stride_ym": s.H}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+             if arg.endswith("_ptr") or ints.get(arg, 1) % 16 == 0}
     return compile_gluon_sm90(fn, signature, constexprs, attrs, num_warps=g["num_warps"])
 
 
@@ -170,7 +188,7 @@ def _compile_here(v: dict, case: dict) -> list[dict]:
     v, case = Variant.from_dict(v), Case.from_dict(case)
     module = render.load_source(render.render_variant(v))
     kernels = (
-        (1, module._gemm1_gluon_kernel if v.g1_gluon
+        (1, (module._gemm1_gluon_gather_kernel if v.dispatch == "fused" else module._gemm1_gluon_kernel) if v.g1_gluon
          else module._GEMM1[(v.route, v.activation, v.g1_weight_tma, v.g1_persistent)]),
         (2, module._gemm2_gluon_kernel if v.g2_gluon else module._GEMM2[(v.direct, v.g2_weight_tma, v.g2_persistent)]),
     )

@@ -44,6 +44,11 @@ VARIANTS = {
                                        True, True, True, True, g1_gluon=True, g2_gluon=True),
     "split/fused gluon g1 M64": Variant("split", "fused", 64, 64, 64, 8, 4, 4, 128, 64, 8, 8, 3,
                                         True, True, True, False, g1_gluon=True),
+    # The Gluon GEMM1 gathering rows itself (fused dispatch): cp.async loader warpgroup, TMA weights.
+    "fused/fused gluon g1 gather g2": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                              True, True, True, True, g1_gluon=True, g2_gluon=True),
+    "fused/fused gluon g1 gather M64": Variant("fused", "fused", 64, 64, 64, 8, 4, 4, 128, 64, 8, 8, 3,
+                                               True, True, True, False, g1_gluon=True),
 }
 
 

@@ -19,6 +19,8 @@ def every_form_module() -> str:
     # The Gluon GEMMs only render here (they have no interpreter to run under).
     for gluon in (dataclasses.replace(small_variant(tma=True, persistent=True, block_m=64), g2_gluon=True),
                   dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
+                                      g1_gluon=True),
+                  dataclasses.replace(small_variant("fused", tma=True, persistent=True, block_m=128), g1_num_warps=8,
                                       g1_gluon=True)):
         rows.append(render.Row(2 ** len(rows), gluon))
     rows[-1] = render.Row(math.inf, rows[-1].v)

@@ -56,3 +56,18 @@ def test_gluon_gemm1_compiles_warp_specialised():
     assert gemm1.wgmma > 0 and gemm1.tma_copies > 0 and gemm1.spill_bytes in (0, None)
     assert "m64n256k16" in gemm1.wgmma_shapes
     assert 0 < gemm1.shared_bytes <= 227 * 1024
+
+
+def test_gluon_gemm1_gathering_rows_compiles_warp_specialised():
+    """With fused dispatch the Gluon GEMM1's loader warpgroup gathers rows by cp.async beside the
+    weights' TMA copies; the consumer is unchanged (m64n256k16), nothing spills."""
+    case = Case(SEED16_SHAPE, 32768)
+    v = dataclasses.replace(small_variant("fused", tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                            g1_num_warps=8, g1_num_stages=3, g2_num_warps=8, g1_gluon=True)
+    assert [r for r in space.violations(v, case) if "need a GPU" not in r] == []
+    gemm1 = sm90.gemm_reports(v, case)[0]
+    assert gemm1.name == "_gemm1_gluon_gather_kernel"
+    assert gemm1.async_copies > 0 and gemm1.tma_copies > 0 and gemm1.spill_bytes in (0, None)
+    assert list(gemm1.wgmma_shapes) == ["m64n256k16"]
+    assert 0 < gemm1.shared_bytes <= 227 * 1024
+
