@@ -97,12 +97,13 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             study.enqueue_trial(v.as_dict())
     # Leaders timed before the templates last changed go first: their new code is unmeasured.
     # Then the leader with each parameter added since it was measured set to its other values.
-    for params in (emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
-                   + _leader_probes(session, fp, case, cfg.probes)):
+    queued = (emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
+              + _leader_probes(session, fp, case, cfg.probes))
+    for params in queued:
         study.enqueue_trial(params)
     done = _finished(study)
     first_done = done
-    target_trials = done + cfg.more if cfg.more is not None else cfg.trials
+    target_trials = trial_target(done, len(queued), cfg)
     log(f"[{case.key}] study {name}: {done} trials done, target {target_trials}")
     rejects = 0
     while done < target_trials and rejects < MAX_REJECTS_PER_TRIAL * target_trials:
@@ -156,6 +157,14 @@ def _floor_ms(case: Case, experts_touched: int, ceilings: dict | None) -> float 
     from .bench import Ceilings, floor_ms
 
     return floor_ms(case, experts_touched, Ceilings(**ceilings))
+
+
+def trial_target(done: int, queued: int, cfg: TuneConfig) -> int:
+    """Finished trials a case's study runs to. Re-timings of stale leaders and probes are owed work:
+    they run on top of `--more N` sampled trials, and even past `--trials`' total."""
+    if cfg.more is not None:
+        return done + queued + cfg.more
+    return max(cfg.trials, done + queued)
 
 
 def _new_dimension_probes(session, fp, case) -> list[dict]:

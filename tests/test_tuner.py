@@ -248,3 +248,15 @@ def test_committed_studies_accept_todays_space(tmp_path):
             for name, dist in seen.items():
                 assert tuple(dist.choices) == space.choices(space.PARAM_BY_NAME[name], case), \
                     (summary.study_name, name)
+
+
+def test_queued_retimings_and_probes_run_on_top_of_the_budget():
+    """A run asked for `--more 2` with three stale leaders and two probes queued runs all seven: the
+    owed work must not eat the sampled trials (nor `--probe` go unrun, as it once did on the GPU)."""
+    from autotune.tuner import trial_target
+
+    more, total = TuneConfig("sqlite://", more=2), TuneConfig("sqlite://", trials=30)
+    assert trial_target(done=100, queued=5, cfg=more) == 107
+    assert trial_target(done=100, queued=0, cfg=more) == 102
+    assert trial_target(done=10, queued=3, cfg=total) == 30
+    assert trial_target(done=40, queued=3, cfg=total) == 43
