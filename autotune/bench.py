@@ -23,7 +23,7 @@ import triton.language as tl
 from . import target
 from .peers import PEERS, Peer
 from .reference import error_stats, moe_reference
-from .timing import Timing, kernel_breakdown, time_fn
+from .timing import SmClockSampler, Timing, kernel_breakdown, time_fn
 from .workloads import Case, experts_touched, make_tokens, make_weights
 
 # Our GEMM must agree with torch.matmul this closely before its rate counts: both accumulate in
@@ -173,14 +173,17 @@ def measure_matmul_rate(n: int | None = None, *, reps: int = 20) -> MatmulRates:
     b_NK = torch.randn(n, n, generator=gen, device=target.device()).to(dtype)
     flops = 2 * n**3
     c_torch = torch.matmul(a_MK, b_NK.T)
-    torch_rate = flops / (time_fn(lambda: torch.matmul(a_MK, b_NK.T), reps=reps).median_ms * 1e-3)
+    with SmClockSampler() as clock:
+        torch_rate = flops / (time_fn(lambda: torch.matmul(a_MK, b_NK.T), reps=reps).median_ms * 1e-3)
+    clock_note = (f"SM clock while timing torch.matmul: {clock.summary()['first']} -> {clock.summary()['last']} MHz"
+                  if clock.summary() else "SM clock not sampled")
     c_ours = torch.empty_like(c_torch)
     triton_rate, triton_note = _checked_rate("triton GEMM", lambda: _gemm_launcher(a_MK, b_NK, c_ours, tiles),
                                              c_ours, c_torch, flops, reps)
     if not gpu:  # Gluon kernels do not run under the interpreter
-        return MatmulRates(torch_rate, triton_rate, (triton_note,))
+        return MatmulRates(torch_rate, triton_rate, (triton_note, clock_note))
     gluon_rate, gluon_note = _gluon_rate(n, reps)
-    return MatmulRates(torch_rate, triton_rate, (triton_note, gluon_note), gluon_rate)
+    return MatmulRates(torch_rate, triton_rate, (triton_note, gluon_note, clock_note), gluon_rate)
 
 
 def _gluon_rate(n: int, reps: int) -> tuple[float | None, str]:
@@ -299,10 +302,11 @@ def _measure(fn, args, ref_TH, case: Case, floor: float, bytes_moved: int, *, gr
     if entry["failures"]:
         return entry
     del out_TH
-    timing = _time(lambda: fn(*args), graph=graph, reps=reps, warmup=warmup)
+    with SmClockSampler() as clock:
+        timing = _time(lambda: fn(*args), graph=graph, reps=reps, warmup=warmup)
     sec = timing.median_ms * 1e-3
     entry.update(ok=True, ms=timing.median_ms, timing=timing.as_dict(), pct_sol=floor / timing.median_ms * 100,
-                 tflops=case.flops / sec / 1e12, tbps=bytes_moved / sec / 1e12)
+                 tflops=case.flops / sec / 1e12, tbps=bytes_moved / sec / 1e12, sm_clock_mhz=clock.summary())
     return entry
 
 
@@ -348,7 +352,10 @@ def _means(rows: list[dict], peers: tuple[Peer, ...]) -> dict:
 
 def _progress(i: int, n: int, row: dict) -> None:
     def say(entry):
-        return f"{entry['ms']:.4g} ms" if entry["ok"] else "FAILED " + "; ".join(entry["failures"])
+        if not entry["ok"]:
+            return "FAILED " + "; ".join(entry["failures"])
+        clock = entry.get("sm_clock_mhz")
+        return f"{entry['ms']:.4g} ms" + (f" (SM {clock['first']}->{clock['last']} MHz)" if clock else "")
     parts = [f"[bench] {i}/{n} {row['key']}: floor {row['floor_ms']:.4g} ms, ours {say(row['ours'])}"]
     parts += [f"{name} {say(e)}" for name, e in row["peers"].items()]
     print(", ".join(parts), file=sys.stderr, flush=True)

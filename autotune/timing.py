@@ -8,6 +8,7 @@ result is the per-call median over `reps` replays. Under the interpreter, wall-c
 from __future__ import annotations
 
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -129,3 +130,50 @@ def kernel_breakdown(fn: Callable[[], object], *, calls: int = 5) -> list[dict] 
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
     return per_kernel([(e.name, e.device_time) for e in prof.events() if e.device_type == cuda], calls)
+
+
+def _smi_id() -> str:
+    """This process's GPU as nvidia-smi names it: by UUID, which CUDA_VISIBLE_DEVICES cannot renumber."""
+    index = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else str(index)
+
+
+class SmClockSampler:
+    """The SM clock (MHz) sampled by `nvidia-smi -lms` while the block runs: whether a timing was
+    taken at full clock or under the card's sustained-load drop. `summary()` is None where there is
+    no GPU or no nvidia-smi; sampling never fails the caller."""
+
+    def __init__(self, period_ms: int = 50):
+        self.period_ms = period_ms
+        self.samples: list[int] = []
+        self._proc = None
+
+    def __enter__(self) -> SmClockSampler:
+        if target.has_gpu():
+            try:
+                self._proc = subprocess.Popen(
+                    ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
+                     "-i", _smi_id(), "-lms", str(self.period_ms)],
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            except OSError:
+                self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            out, _ = self._proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        self.samples = [int(line) for line in out.split() if line.strip().isdigit()]
+
+    def summary(self) -> dict | None:
+        if not self.samples:
+            return None
+        return {"min": min(self.samples), "median": statistics.median(self.samples), "max": max(self.samples),
+                "first": self.samples[0], "last": self.samples[-1], "samples": len(self.samples)}
+
