@@ -190,7 +190,7 @@ def cmd_sm90(args) -> int:
 
     fingerprint = args.fingerprint or target.fingerprint().key
     print(f"{'case':<12} {'kernel':<38} {'smem KB':>8} {'regs':>5} {'local B':>8} {'wgmma':>6} {'tma':>4} "
-          f"{'cp.async':>8}")
+          f"{'cp.async':>8}  wgmma shape")
     with Session(db.connect(_url(args))) as session:
         for case in _cases(args, compile_only=True):
             best = emit.current_best(session, fingerprint, case)
@@ -200,7 +200,7 @@ def cmd_sm90(args) -> int:
             for r in sm90.gemm_reports(Variant.from_dict(best.params), case):
                 print(f"T={case.T:<10} {r.name:<38} {r.shared_bytes / 1024:8.1f} {r.registers or '?':>5} "
                       f"{r.spill_bytes if r.spill_bytes is not None else '?':>8} {r.wgmma:>6} {r.tma_copies:>4} "
-                      f"{r.async_copies:>8}")
+                      f"{r.async_copies:>8}  {' '.join(r.wgmma_shapes) or '-'}")
     return 0
 
 
