@@ -155,6 +155,10 @@ def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
     constexprs = {"STAGES": g["num_stages"], "GROUP_M": g["GROUP_M"], "LOADER_REGS": module._GLUON_LOADER_REGS}
     row_box, w_box = [v.block_m, g["BLOCK_K"]], [g["BLOCK_N"], g["BLOCK_K"]]
     signature = {}
+    if which == 1 and "TMA_STORE" in fn.arg_names:
+        constexprs["TMA_STORE"] = v.g1_tma_store
+        if v.g1_tma_store:  # h goes out by TMA in [BLOCK_M, BLOCK_N] boxes
+            signature["out_ptr"] = gluon_descriptor_type(case.shape.dtype, [v.block_m, g["BLOCK_N"]])
     if fn.__name__ == "_gemm1_gluon_gather_kernel":  # rows gathered by pointer, weights by TMA
         gl_dtype = {"bfloat16": gl.bfloat16, "float16": gl.float16}[case.shape.dtype]
         constexprs.update(TOP_K=case.shape.k, A_LAYOUT=gl.NVMMASharedLayout.get_default_for(row_box, gl_dtype),
@@ -163,8 +167,8 @@ def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
         signature["w_desc"] = gluon_descriptor_type(case.shape.dtype, w_box)
     else:
         rows_desc, w_desc = fn.arg_names[:2]
-        signature = {rows_desc: gluon_descriptor_type(case.shape.dtype, row_box),
-                     w_desc: gluon_descriptor_type(case.shape.dtype, w_box)}
+        signature[rows_desc] = gluon_descriptor_type(case.shape.dtype, row_box)
+        signature[w_desc] = gluon_descriptor_type(case.shape.dtype, w_box)
     for arg in fn.arg_names:
         signature.setdefault(arg, "constexpr" if arg in constexprs else "*i32" if arg in _INDEX_POINTERS
                              else "*fp32" if arg == "topk_weights_ptr" else f"*{dt}" if arg.endswith("_ptr")

@@ -109,6 +109,10 @@ PARAMS: tuple[Param, ...] = (
           "stacked in one stage, one wgmma group per step, SwiGLU in the consumer; rows by TMA after split "
           "dispatch, or gathered from x by a cp.async loader warpgroup with fused dispatch", default=False,
           when=_gluon_can_run(1)),
+    Param("g1_tma_store", (False, True),
+          "the Gluon GEMM1 writes each h tile by TMA store from shared memory, left in flight while the next "
+          "tile runs, instead of a layout change and masked row stores", default=False,
+          when=lambda v, case: v["g1_gluon"]),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -146,6 +150,7 @@ class Variant:
     tail_walk: bool = False
     g2_gluon: bool = False
     g1_gluon: bool = False
+    g1_tma_store: bool = False
 
     @property
     def route(self) -> str:
@@ -186,11 +191,11 @@ class Variant:
 
         pdl = " pdl" if self.pdl else ""
         half = ("/half+walk" if self.tail_walk else "/half") if self.half_tail else ""
-        # A Gluon GEMM is TMA-fed, persistent and 4 warps per consumer by construction.
-        def gluon(g):
-            return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} s{g['num_stages']}"
+        # A Gluon GEMM is TMA-fed, persistent and a warpgroup per 64 rows by construction.
+        def gluon(g, store=""):
+            return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} s{g['num_stages']}{store}"
 
-        g1_text = gluon(g1) if self.g1_gluon else gemm(g1)
+        g1_text = gluon(g1, " tma-store" if self.g1_tma_store else "") if self.g1_gluon else gemm(g1)
         g2_text = gluon(g2) if self.g2_gluon else gemm(g2)
         return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}"
 
@@ -222,6 +227,10 @@ def violations(v: Variant, case: Case) -> list[str]:
     for which in (1, 2):
         if getattr(v, f"g{which}_gluon"):
             bad += _gluon_violations(v, case, which)
+    if v.g1_tma_store and not v.g1_gluon:
+        bad.append("g1_tma_store is the Gluon GEMM1's epilogue: it needs g1_gluon")
+    if v.g1_tma_store and (s.I * s.elem_bytes) % 16:
+        bad.append(f"g1_tma_store writes h rows by TMA, which needs 16-byte rows; I={s.I} is not")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()

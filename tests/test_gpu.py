@@ -49,6 +49,12 @@ VARIANTS = {
                                               True, True, True, True, g1_gluon=True, g2_gluon=True),
     "fused/fused gluon g1 gather M64": Variant("fused", "fused", 64, 64, 64, 8, 4, 4, 128, 64, 8, 8, 3,
                                                True, True, True, False, g1_gluon=True),
+    # The Gluon GEMM1's h tiles out by TMA store, on both row routes.
+    "split/fused gluon g1 tma-store": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                              True, True, True, True, g1_gluon=True, g1_tma_store=True),
+    "fused/fused gluon g1 gather tma-store": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                                     True, True, True, True, g1_gluon=True, g2_gluon=True,
+                                                     g1_tma_store=True),
 }
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pytest
 from conftest import small_variant
 
 from autotune import sm90, space
@@ -70,4 +71,18 @@ def test_gluon_gemm1_gathering_rows_compiles_warp_specialised():
     assert gemm1.async_copies > 0 and gemm1.tma_copies > 0 and gemm1.spill_bytes in (0, None)
     assert list(gemm1.wgmma_shapes) == ["m64n256k16"]
     assert 0 < gemm1.shared_bytes <= 227 * 1024
+
+
+@pytest.mark.parametrize("dispatch", ["split", "fused"])
+def test_gluon_gemm1_tma_store_compiles(dispatch):
+    """g1_tma_store: the Gluon GEMM1's h tile leaves by TMA store (both row routes), within shared
+    memory, without spills."""
+    case = Case(SEED16_SHAPE, 32768)
+    v = dataclasses.replace(small_variant(dispatch, tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                            g1_num_warps=8, g1_num_stages=3, g2_num_warps=8, g1_gluon=True, g1_tma_store=True)
+    assert [r for r in space.violations(v, case) if "need a GPU" not in r] == []
+    gemm1 = sm90.gemm_reports(v, case)[0]
+    assert gemm1.tma_copies >= 3 and gemm1.spill_bytes in (0, None)  # two weight loads (+ rows) and the store
+    assert 0 < gemm1.shared_bytes <= 227 * 1024
+    assert any("needs g1_gluon" in r for r in space.violations(dataclasses.replace(v, g1_gluon=False), case))
 
