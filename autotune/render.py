@@ -106,6 +106,7 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         gluon_gemm1_rows=any(r.v.g1_gluon and r.v.dispatch == "split" for r in rows),
         gluon_gemm1_gather=gluon_gemm1_gather,
         g1_tma_store=any(r.v.g1_tma_store for r in rows),
+        sorted_out=any(r.v.g2_sorted_out for r in rows),
         gluon_gemm2=gluon_gemm2,
         any_gluon=gluon_gemm1 or gluon_gemm2,
         any_tma=any(r.v.g1_weight_tma or r.v.g2_weight_tma for r in rows),

@@ -155,10 +155,12 @@ def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
     constexprs = {"STAGES": g["num_stages"], "GROUP_M": g["GROUP_M"], "LOADER_REGS": module._GLUON_LOADER_REGS}
     row_box, w_box = [v.block_m, g["BLOCK_K"]], [g["BLOCK_N"], g["BLOCK_K"]]
     signature = {}
-    if which == 1 and "TMA_STORE" in fn.arg_names:
-        constexprs["TMA_STORE"] = v.g1_tma_store
-        if v.g1_tma_store:  # h goes out by TMA in [BLOCK_M, BLOCK_N] boxes
-            signature["out_ptr"] = gluon_descriptor_type(case.shape.dtype, [v.block_m, g["BLOCK_N"]])
+    # An output written by TMA store is a descriptor of [BLOCK_M, BLOCK_N] boxes, not a pointer.
+    for flag, arg, on in (("TMA_STORE", "out_ptr", v.g1_tma_store), ("SORTED_OUT", "y_ptr", v.g2_sorted_out)):
+        if flag in fn.arg_names:
+            constexprs[flag] = on
+            if on:
+                signature[arg] = gluon_descriptor_type(case.shape.dtype, [v.block_m, g["BLOCK_N"]])
     if fn.__name__ == "_gemm1_gluon_gather_kernel":  # rows gathered by pointer, weights by TMA
         gl_dtype = {"bfloat16": gl.bfloat16, "float16": gl.float16}[case.shape.dtype]
         constexprs.update(TOP_K=case.shape.k, A_LAYOUT=gl.NVMMASharedLayout.get_default_for(row_box, gl_dtype),

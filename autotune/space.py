@@ -113,6 +113,10 @@ PARAMS: tuple[Param, ...] = (
           "the Gluon GEMM1 writes each h tile by TMA store from shared memory, left in flight while the next "
           "tile runs, instead of a layout change and masked row stores", default=False,
           when=lambda v, case: v["g1_gluon"]),
+    Param("g2_sorted_out", (False, True),
+          "the Gluon GEMM2 writes y in expert order (whole tiles by TMA store, left in flight while the next "
+          "tile runs) instead of scattering rows to slot order; dispatch also writes each slot's position and "
+          "the combine reads through it", default=False, when=lambda v, case: v["g2_gluon"]),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -151,6 +155,7 @@ class Variant:
     g2_gluon: bool = False
     g1_gluon: bool = False
     g1_tma_store: bool = False
+    g2_sorted_out: bool = False
 
     @property
     def route(self) -> str:
@@ -196,7 +201,7 @@ class Variant:
             return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} s{g['num_stages']}{store}"
 
         g1_text = gluon(g1, " tma-store" if self.g1_tma_store else "") if self.g1_gluon else gemm(g1)
-        g2_text = gluon(g2) if self.g2_gluon else gemm(g2)
+        g2_text = gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon else gemm(g2)
         return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}"
 
 
@@ -231,6 +236,10 @@ def violations(v: Variant, case: Case) -> list[str]:
         bad.append("g1_tma_store is the Gluon GEMM1's epilogue: it needs g1_gluon")
     if v.g1_tma_store and (s.I * s.elem_bytes) % 16:
         bad.append(f"g1_tma_store writes h rows by TMA, which needs 16-byte rows; I={s.I} is not")
+    if v.g2_sorted_out and not v.g2_gluon:
+        bad.append("g2_sorted_out is the Gluon GEMM2's epilogue: it needs g2_gluon")
+    if v.g2_sorted_out and (s.H * s.elem_bytes) % 16:
+        bad.append(f"g2_sorted_out writes y rows by TMA, which needs 16-byte rows; H={s.H} is not")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()

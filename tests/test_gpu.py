@@ -55,6 +55,12 @@ VARIANTS = {
     "fused/fused gluon g1 gather tma-store": Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
                                                      True, True, True, True, g1_gluon=True, g2_gluon=True,
                                                      g1_tma_store=True),
+    # The Gluon GEMM2 writing y in expert order by TMA store; the combine reads through slot_pos.
+    "split/fused gluon g1 g2 tma-store sorted-out": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                                            True, True, True, True, g1_gluon=True, g2_gluon=True,
+                                                            g1_tma_store=True, g2_sorted_out=True),
+    "fused/fused gluon g2 sorted-out M64": Variant("fused", "fused", 64, 128, 64, 8, 4, 4, 256, 64, 8, 4, 3,
+                                                   True, True, False, True, g2_gluon=True, g2_sorted_out=True),
 }
 
 

@@ -1,10 +1,13 @@
 """Every template form against the reference (interpreter on the CPU: fp16/fp32, tiny odd shapes),
 the dispatch outputs exactly against torch, and the edge cases of REFERENCE.md."""
 
+import dataclasses
+
 import pytest
 import torch
-from conftest import DEVICE, DTYPES, FORMS
+from conftest import DEVICE, DTYPES, FORMS, small_variant
 
+from autotune import render
 from autotune.reference import BAR, error_stats, moe_reference
 from autotune.workloads import Case, Shape, make_tokens, make_weights
 
@@ -76,6 +79,50 @@ def test_dispatch_exact(form_modules, E, T, k, block_m):
     for b, want in enumerate(want_slots):
         got = sorted_slots[b * block_m: b * block_m + want.numel()].cpu().long()
         assert torch.equal(got, want), f"block {b}"
+
+
+@pytest.fixture(scope="module")
+def sorted_out_module():
+    """A module rendered with g2_sorted_out (a Gluon GEMM2, which only compiles here): its dispatch
+    and combine are triton and run under the interpreter."""
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=64), g2_gluon=True,
+                            g2_sorted_out=True)
+    return render.load_source(render.render_variant(v))
+
+
+@pytest.mark.parametrize("E, T, k, block_m", [(8, 1, 2, 16), (5, 300, 3, 32), (40, 3000, 3, 64)])
+def test_dispatch_writes_each_slots_sorted_position(sorted_out_module, E, T, k, block_m):
+    """slot_pos inverts sorted_slots on every routed slot (one chunk and many), and is left alone on
+    slots with an id outside [0, E)."""
+    gen = torch.Generator().manual_seed(E * T + 2)
+    ids = torch.randint(-1, E + 2, (T, k), generator=gen)
+    slot_pos = torch.full((T * k,), -7, dtype=torch.int32, device=DEVICE)
+    sorted_slots, *_ = sorted_out_module.dispatch(ids.to(DEVICE), E, block_m, slot_pos=slot_pos)
+    routed = ((ids >= 0) & (ids < E)).view(-1)
+    pos = slot_pos.cpu().long()
+    assert (pos[~routed] == -7).all()
+    slots = torch.arange(T * k)[routed]
+    assert torch.equal(sorted_slots.cpu().long()[pos[routed]], slots)
+
+
+def test_combine_reads_expert_ordered_rows_through_slot_pos(sorted_out_module):
+    """With SORTED the combine sums y[slot_pos[t*k + j]] over routed j, in j order: the same numbers
+    as the slot-order combine over the same rows."""
+    T, k, E, H = 7, 3, 4, 96
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(-1, E, (T, k), generator=gen).to(DEVICE)
+    y_slots = torch.randn(T * k, H, generator=gen).to(DEVICE, torch.float16)
+    perm = torch.randperm(T * k + 5, generator=gen)[:T * k].to(DEVICE)  # padded, shuffled positions
+    y_sorted = torch.full((T * k + 5, H), float("nan"), dtype=torch.float16, device=DEVICE)
+    y_sorted[perm] = y_slots
+    outs = []
+    for y, pos, sorted_ in ((y_slots, y_slots, False), (y_sorted, perm.to(torch.int32), True)):
+        out = torch.empty(T, H, dtype=torch.float16, device=DEVICE)
+        sorted_out_module._combine_kernel[(T, 1)](y, ids.view(-1), out, H, E, y.stride(0), out.stride(0), TOP_K=k,
+                                                  BLOCK_H=128, PDL=False, slot_pos_ptr=pos, SORTED=sorted_)
+        outs.append(out)
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("E, T, k, block_m", [(8, 1, 2, 32), (5, 300, 3, 32), (64, 70, 4, 32), (40, 3000, 3, 64)])

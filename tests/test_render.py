@@ -17,7 +17,8 @@ from autotune.workloads import Case, Shape, make_tokens
 def every_form_module() -> str:
     rows = [render.Row(2**i, small_variant(*form)) for i, form in enumerate(FORMS)]
     # The Gluon GEMMs only render here (they have no interpreter to run under).
-    for gluon in (dataclasses.replace(small_variant(tma=True, persistent=True, block_m=64), g2_gluon=True),
+    for gluon in (dataclasses.replace(small_variant(tma=True, persistent=True, block_m=64), g2_gluon=True,
+                                      g2_sorted_out=True),
                   dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
                                       g1_gluon=True),
                   dataclasses.replace(small_variant("fused", tma=True, persistent=True, block_m=128), g1_num_warps=8,

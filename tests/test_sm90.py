@@ -86,3 +86,18 @@ def test_gluon_gemm1_tma_store_compiles(dispatch):
     assert 0 < gemm1.shared_bytes <= 227 * 1024
     assert any("needs g1_gluon" in r for r in space.violations(dataclasses.replace(v, g1_gluon=False), case))
 
+
+def test_gluon_gemm2_sorted_out_compiles():
+    """g2_sorted_out: the Gluon GEMM2 stores whole y tiles in expert order by TMA, within shared
+    memory, without spills; it is the Gluon GEMM2's epilogue and nothing else's."""
+    case = Case(SEED16_SHAPE, 32768)
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                            g1_num_warps=8, g2_block_n=256, g2_num_warps=8, g2_num_stages=3, g2_gluon=True,
+                            g2_sorted_out=True)
+    assert [r for r in space.violations(v, case) if "need a GPU" not in r] == []
+    gemm2 = sm90.gemm_reports(v, case)[1]
+    assert gemm2.name == "_gemm2_gluon_kernel"
+    assert gemm2.tma_copies >= 3 and gemm2.spill_bytes in (0, None)  # rows, weights and the store
+    assert 0 < gemm2.shared_bytes <= 227 * 1024
+    assert any("needs g2_gluon" in r for r in space.violations(dataclasses.replace(v, g2_gluon=False), case))
+
