@@ -175,8 +175,9 @@ def measure_matmul_rate(n: int | None = None, *, reps: int = 20) -> MatmulRates:
     c_torch = torch.matmul(a_MK, b_NK.T)
     with SmClockSampler() as clock:
         torch_rate = flops / (time_fn(lambda: torch.matmul(a_MK, b_NK.T), reps=reps).median_ms * 1e-3)
-    clock_note = (f"SM clock while timing torch.matmul: {clock.summary()['first']} -> {clock.summary()['last']} MHz"
-                  if clock.summary() else "SM clock not sampled")
+    sampled = clock.summary()
+    clock_note = (f"SM clock while timing torch.matmul: {sampled['first']} -> {sampled['last']} MHz" if sampled
+                  else "SM clock not sampled")
     c_ours = torch.empty_like(c_torch)
     triton_rate, triton_note = _checked_rate("triton GEMM", lambda: _gemm_launcher(a_MK, b_NK, c_ours, tiles),
                                              c_ours, c_torch, flops, reps)

@@ -129,13 +129,23 @@ def in_child_process(function: str, *args, timeout: float = 600):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def gluon_descriptor_type(dtype: str, block: list[int]) -> str:
-    """The signature type of a Gluon TMA descriptor over `dtype` ("bfloat16"/"float16") in `block`
-    boxes, with the shared-memory layout its launcher builds (NVMMASharedLayout.get_default_for)."""
+def gluon_smem_layout(dtype: str, block: list[int]):
+    """The shared-memory layout a launcher builds for a `dtype` ("bfloat16"/"float16") tile of `block`
+    (NVMMASharedLayout.get_default_for): what wgmma and TMA read."""
     from triton.experimental.gluon import language as gl
 
-    layout = gl.NVMMASharedLayout.get_default_for(block, {"bfloat16": gl.bfloat16, "float16": gl.float16}[dtype])
-    return f"tensordesc<{_TRITON_TYPES[dtype]}[{block[0]}, {block[1]}],{layout!r}>"
+    return gl.NVMMASharedLayout.get_default_for(block, {"bfloat16": gl.bfloat16, "float16": gl.float16}[dtype])
+
+
+def gluon_descriptor_type(dtype: str, block: list[int]) -> str:
+    """The signature type of a Gluon TMA descriptor over `dtype` in `block` boxes, with the
+    shared-memory layout its launcher builds."""
+    return f"tensordesc<{_TRITON_TYPES[dtype]}[{block[0]}, {block[1]}],{gluon_smem_layout(dtype, block)!r}>"
+
+
+def wgmma_shapes(ptx: str) -> tuple[str, ...]:
+    """The wgmma instruction shapes in `ptx`, e.g. ("m64n256k16",)."""
+    return tuple(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))))
 
 
 def compile_gluon_sm90(fn, signature: dict, constexprs: dict, attrs: dict | None = None, *, num_warps: int):
@@ -148,8 +158,6 @@ def compile_gluon_sm90(fn, signature: dict, constexprs: dict, attrs: dict | None
 
 def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
     """The warp-specialised Gluon GEMM `which` of `v` compiled for sm_90, as its launcher would launch it."""
-    from triton.experimental.gluon import language as gl
-
     dt = _TRITON_TYPES[case.shape.dtype]
     g = v.gemm(which)
     constexprs = {"STAGES": g["num_stages"], "GROUP_M": g["GROUP_M"], "LOADER_REGS": module._GLUON_LOADER_REGS}
@@ -162,8 +170,7 @@ def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
             if on:
                 signature[arg] = gluon_descriptor_type(case.shape.dtype, [v.block_m, g["BLOCK_N"]])
     if fn.__name__ == "_gemm1_gluon_gather_kernel":  # rows gathered by pointer, weights by TMA
-        gl_dtype = {"bfloat16": gl.bfloat16, "float16": gl.float16}[case.shape.dtype]
-        constexprs.update(TOP_K=case.shape.k, A_LAYOUT=gl.NVMMASharedLayout.get_default_for(row_box, gl_dtype),
+        constexprs.update(TOP_K=case.shape.k, A_LAYOUT=gluon_smem_layout(case.shape.dtype, row_box),
                           BLOCK_M=v.block_m, LOADER_WARPS=module._GATHER_LOADER_WARPS,
                           LOADER_REGS=module._GATHER_LOADER_REGS)
         signature["w_desc"] = gluon_descriptor_type(case.shape.dtype, w_box)
@@ -212,7 +219,7 @@ def _compile_here(v: dict, case: dict) -> list[dict]:
             name=fn.__name__, shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spill,
             wgmma=ptx.count("wgmma.mma_async"), tma_copies=ptx.count("cp.async.bulk.tensor"),
             async_copies=len(re.findall(r"cp\.async\.c[ag]", ptx)),
-            wgmma_shapes=tuple(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))),
+            wgmma_shapes=wgmma_shapes(ptx),
         ).as_dict())
     return reports
 

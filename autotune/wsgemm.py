@@ -23,7 +23,6 @@ the interpreter: without a GPU this module only compiles (`compile_report`).
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
 import torch
@@ -196,7 +195,7 @@ def compile_report(tiles: GluonTiles = TILES) -> dict:
 
 
 def _compile_here(tiles: dict) -> dict:
-    from .sm90 import _resource_usage, compile_gluon_sm90, gluon_descriptor_type
+    from .sm90 import _resource_usage, compile_gluon_sm90, gluon_descriptor_type, wgmma_shapes
 
     t = GluonTiles(**tiles)
     signature = {
@@ -216,7 +215,7 @@ def _compile_here(tiles: dict) -> dict:
         "registers": registers,
         "spill_bytes": spill,
         "wgmma": ptx.count("wgmma.mma_async"),
-        "wgmma_shapes": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
+        "wgmma_shapes": list(wgmma_shapes(ptx)),
         "tma_loads": ptx.count("cp.async.bulk.tensor"),
         "setmaxnreg": sorted({line.strip().rstrip(";") for line in ptx.splitlines() if "setmaxnreg" in line}),
     }
