@@ -48,7 +48,7 @@ def _gluon_can_run(which: int) -> Callable[[dict, Case], bool]:
         g = f"g{which}_"
         return (target.has_gpu() and case.shape.dtype in ("bfloat16", "float16") and v["block_m"] in (64, 128)
                 and v[g + "weight_tma"] and v[g + "persistent"] and v[g + "num_warps"] * 16 == v["block_m"]
-                and not (v["half_tail"] or v["direct"])
+                and not (v["direct"] or v["tail_walk"] or (v["half_tail"] and v["block_m"] != 128))
                 and (which == 2 or v["activation"] == "fused"))
     return can_run
 
@@ -94,7 +94,8 @@ PARAMS: tuple[Param, ...] = (
     Param("half_tail", (False, True),
           "an expert's last row block, when it holds at most block_m/2 rows, runs as a tile of half the "
           "rows in both GEMMs: less padded tensor work where experts get a few blocks each (T*k/E near "
-          "block_m)", default=False, when=_half_tail_can_run),
+          "block_m); a Gluon GEMM runs it as one 64-row tile whose columns its two warpgroups split",
+          default=False, when=_half_tail_can_run),
     Param("tail_walk", (False, True),
           "with half_tail, each persistent GEMM walks two block lists that dispatch writes, full blocks then "
           "half tails, in two launches, instead of branching on each tile's height (a branch inside the tile "
@@ -272,8 +273,8 @@ def violations(v: Variant, case: Case) -> list[str]:
 
 def _gluon_violations(v: Variant, case: Case, which: int) -> list[str]:
     """Why the warp-specialised Gluon GEMM `which` cannot run `v` on `case`. Its structure is fixed
-    (TMA, persistent, a warpgroup per 64 rows, full-height tiles), so the flags that would choose
-    otherwise must say so."""
+    (TMA, persistent, a warpgroup per 64 rows; half tails at 64 rows by branch), so the flags that
+    would choose otherwise must say so."""
     name, g = f"g{which}_gluon", v.gemm(which)
     bad = []
     if not target.has_gpu():
@@ -287,8 +288,11 @@ def _gluon_violations(v: Variant, case: Case, which: int) -> list[str]:
     if g["num_warps"] * 16 != v.block_m:
         bad.append(f"{name} runs a warpgroup per 64 rows: g{which}_num_warps must be {v.block_m // 16} "
                    f"for block_m={v.block_m}")
-    if v.half_tail:
-        bad.append(f"{name} runs every block at full height: half_tail must be off")
+    if v.half_tail and v.block_m != 128:
+        bad.append(f"{name} runs a half tail as one 64-row warpgroup tile, its columns split across two "
+                   f"warpgroups: half_tail needs block_m=128")
+    if v.tail_walk:
+        bad.append(f"{name} branches on each block's height inside its walk: tail_walk must be off")
     if which == 1 and v.activation != "fused":
         bad.append("g1_gluon applies SwiGLU itself: activation=fused")
     if which == 1 and v.dispatch == "fused" and case.shape.H % 16:

@@ -61,6 +61,14 @@ VARIANTS = {
                                                             g1_tma_store=True, g2_sorted_out=True),
     "fused/fused gluon g2 sorted-out M64": Variant("fused", "fused", 64, 128, 64, 8, 4, 4, 256, 64, 8, 4, 3,
                                                    True, True, False, True, g2_gluon=True, g2_sorted_out=True),
+    # Half tails in the Gluon GEMMs: a block of at most 64 rows as one 64-row tile, columns split.
+    "split/fused gluon g1 g2 half": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                            True, True, True, True, half_tail=True, g1_gluon=True, g2_gluon=True),
+    "fused/fused gluon g1 gather g2 half tma-store sorted-out": Variant(
+        "fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3, True, True, True, True, half_tail=True,
+        g1_gluon=True, g2_gluon=True, g1_tma_store=True, g2_sorted_out=True),
+    "split/fused triton g1 gluon g2 half": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                                   True, True, True, True, half_tail=True, g2_gluon=True),
 }
 
 

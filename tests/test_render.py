@@ -22,7 +22,13 @@ def every_form_module() -> str:
                   dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
                                       g1_gluon=True),
                   dataclasses.replace(small_variant("fused", tma=True, persistent=True, block_m=128), g1_num_warps=8,
-                                      g1_gluon=True, g1_tma_store=True)):
+                                      g1_gluon=True, g1_tma_store=True),
+                  # Half tails in both Gluon GEMMs, on both row routes and both epilogues.
+                  dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
+                                      g2_num_warps=8, g1_gluon=True, g1_tma_store=True, g2_gluon=True,
+                                      g2_sorted_out=True, half_tail=True),
+                  dataclasses.replace(small_variant("fused", tma=True, persistent=True, block_m=128), g1_num_warps=8,
+                                      g2_num_warps=8, g1_gluon=True, g2_gluon=True, half_tail=True)):
         rows.append(render.Row(2 ** len(rows), gluon))
     rows[-1] = render.Row(math.inf, rows[-1].v)
     return render.render_module(rows, "every form", ["a test module"])

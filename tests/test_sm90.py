@@ -101,3 +101,18 @@ def test_gluon_gemm2_sorted_out_compiles():
     assert gemm2.tma_copies >= 3  # rows, weights and the store
     assert any("needs g2_gluon" in r for r in space.violations(dataclasses.replace(v, g2_gluon=False), case))
 
+
+
+@pytest.mark.parametrize("dispatch,extra", [("split", {}), ("fused", {"g1_tma_store": True, "g2_sorted_out": True})])
+def test_gluon_half_tails_compile(dispatch, extra):
+    """half_tail with the Gluon GEMMs: each also runs a 64-row tile whose columns its two warpgroups
+    split (m64n128k16 beside the full tile's m64n256k16), in the same shared memory, without spills."""
+    case = Case(SEED16_SHAPE, 8192)
+    v = dataclasses.replace(small_variant(dispatch, tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                            g1_num_warps=8, g1_num_stages=3, g2_block_n=256, g2_num_warps=8, g2_num_stages=3,
+                            g1_gluon=True, g2_gluon=True, half_tail=True, **extra)
+    for which in (1, 2):
+        full = _gluon_report(dataclasses.replace(v, half_tail=False), case, which)
+        half = _gluon_report(v, case, which)
+        assert set(half.wgmma_shapes) == {"m64n128k16", "m64n256k16"}, half.wgmma_shapes
+        assert half.shared_bytes == full.shared_bytes

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from conftest import small_variant
 
-from autotune import cli, space
+from autotune import cli, space, target
 from autotune.workloads import SEED16_SHAPE, Case, Shape
 
 
@@ -83,11 +83,26 @@ def test_gluon_gemm2_says_what_it_is():
                              g2_num_warps=8, g2_block_n=256, g2_num_stages=3, g2_gluon=True)
     assert [r for r in space.violations(ok, case) if "need a GPU" not in r] == []
     for change, words in (({"g2_persistent": False}, "persistent"), ({"g2_num_warps": 4}, "g2_num_warps must be 8"),
-                          ({"block_m": 32}, "64 or 128 rows"), ({"half_tail": True}, "half_tail"),
+                          ({"block_m": 32}, "64 or 128 rows"),
+                          ({"block_m": 64, "g2_num_warps": 4, "half_tail": True}, "half_tail needs block_m=128"),
+                          ({"half_tail": True, "tail_walk": True}, "tail_walk must be off"),
                           ({"g2_num_stages": 4}, "shared memory")):
         assert any(words in r for r in space.violations(dataclasses.replace(ok, **change), case)), change
     fp32 = Case(dataclasses.replace(SEED16_SHAPE, dtype="float32"), T=8192)
     assert any("16-bit" in r for r in space.violations(ok, fp32))
+
+
+def test_gluon_gemms_take_half_tails_at_128_rows():
+    """A Gluon GEMM runs a half tail as one 64-row tile (its two warpgroups split the columns), so
+    half_tail goes with the Gluon GEMMs at block_m=128, and the sampler may ask for both."""
+    case = Case(SEED16_SHAPE, T=8192)
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                            g1_num_warps=8, g2_num_warps=8, g2_block_n=256, g2_num_stages=3, g1_gluon=True,
+                            g2_gluon=True, half_tail=True)
+    assert [r for r in space.violations(v, case) if "need a GPU" not in r] == []
+    answers = {**v.as_dict(), "direct": False, "tail_walk": False}
+    assert space.PARAM_BY_NAME["g1_gluon"].when(answers, case) == target.has_gpu()
+    assert not space.PARAM_BY_NAME["g1_gluon"].when({**answers, "tail_walk": True}, case)
 
 
 def test_gluon_gemm1_says_what_it_is():
