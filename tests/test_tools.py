@@ -1,0 +1,29 @@
+"""tools/ab.py, as far as it runs without a GPU: which variants of a leader it would time."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from conftest import small_variant
+
+from autotune.workloads import SEED16_SHAPE, Case
+
+_spec = importlib.util.spec_from_file_location("ab", Path(__file__).resolve().parent.parent / "tools" / "ab.py")
+ab = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab)
+
+
+def test_ab_times_the_leader_then_each_new_accepted_variant(capsys):
+    case = Case(SEED16_SHAPE, 64)
+    lead = small_variant(block_m=16, bn=64, bk=128)
+    cands = ab.candidates(lead, case, ["g1_num_stages=3", "g1_num_stages=3", "g1_tma_store=True",
+                                       f"g1_num_stages={lead.g1_num_stages}"])
+    assert [name for name, _ in cands] == ["leader", "g1_num_stages=3"]
+    assert cands[0][1] == lead and cands[1][1].g1_num_stages == 3
+    assert "g1_tma_store=True: rejected" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(ab.target.has_gpu(), reason="it times on this GPU instead")
+def test_ab_refuses_to_run_without_a_gpu(capsys):
+    assert ab.main(["64"]) == 1
+    assert "GPU" in capsys.readouterr().out

@@ -1,0 +1,92 @@
+"""Same-process A/B on the GPU: each case's leader against variants of it, verified, then timed in
+interleaved rounds so that a drifting clock weighs on every variant alike.
+
+    python tools/ab.py 16384,32768 "g1_tma_store=True,g2_sorted_out=True" [more assignments ...]
+
+Each assignment is applied to the case's leader (the variant `moe-tune emit` would ship from
+db/moe_tune.sqlite3 for this GPU); variants the space rejects are reported and skipped. With
+BREAKDOWN=1 it also prints where each variant's device time goes, kernel by kernel. ROUNDS sets the
+number of rounds (default 5, each 5 CUDA-graph replays per variant).
+"""
+
+import os
+import statistics
+import sys
+
+import torch
+from sqlalchemy.orm import Session
+
+from autotune import db, emit, render, space, target
+from autotune.reference import BAR, error_stats
+from autotune.runner import _CaseState
+from autotune.space import Variant
+from autotune.timing import kernel_breakdown, time_fn
+from autotune.workloads import SEED16_SHAPE, Case
+
+
+def candidates(lead: Variant, case: Case, assignments: list[str]) -> list[tuple[str, Variant]]:
+    """The leader, then each assignment applied to it, rejected and repeated ones left out."""
+    out = [("leader", lead)]
+    for text in assignments:
+        v = Variant.from_dict({**lead.as_dict(), **space.parse_assignments(text)})
+        bad = space.violations(v, case)
+        if bad:
+            print(f"T={case.T} {text}: rejected ({'; '.join(bad[:2])})")
+        elif all(v != seen for _, seen in out):
+            out.append((text, v))
+    return out
+
+
+def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown: bool) -> None:
+    state = _CaseState()
+    state.prepare(case)
+    runs = []
+    for name, v in cands:
+        module = render.load_source(render.render_variant(v))
+        x, w, ids = state.verify_tokens
+        out = module.fused_experts(x, *state.verify_weights, w, ids)
+        failures = error_stats(out, state.reference).failures(BAR)
+        if failures:
+            print(f"T={case.T} {v.label}: fails the bar ({'; '.join(failures)}), not timed")
+            continue
+        runs.append((name, v, module))
+    x, w, ids = state.tokens
+    buf = torch.empty_like(x)
+    samples = {name: [] for name, _, _ in runs}
+    for _ in range(rounds):
+        for name, _, module in runs:
+            def call(module=module):
+                return module.fused_experts(x, *state.weights, w, ids, out=buf)
+            samples[name].append(time_fn(call, reps=5).median_ms)
+    lead_ms = statistics.median(samples["leader"])
+    for name, v, module in runs:
+        ms = statistics.median(samples[name])
+        print(f"T={case.T:<6} {ms:8.4f} ms  x{ms / lead_ms:.3f}  {v.label}  rounds "
+              f"{[round(s, 3) for s in samples[name]]}")
+        if breakdown:
+            def call(module=module):
+                return module.fused_experts(x, *state.weights, w, ids, out=buf)
+            kernels = kernel_breakdown(call, calls=3) or []
+            print("         " + ", ".join(f"{k['name'][:28]} {k['us']:.0f} us" for k in kernels[:5]))
+
+
+def main(argv: list[str]) -> int:
+    if not target.has_gpu():
+        print("tools/ab.py times on the GPU; there is none here")
+        return 1
+    tokens = [int(t) for t in argv[0].split(",")]
+    rounds = int(os.environ.get("ROUNDS", 5))
+    with Session(db.connect(db.GPU_URL)) as session:
+        for T in tokens:
+            case = Case(SEED16_SHAPE, T)
+            best = emit.current_best(session, target.fingerprint().key, case)
+            if best is None:
+                print(f"T={T}: no leader of today's templates in the database")
+                continue
+            compare(case, candidates(Variant.from_dict(best.params), case, argv[1:]), rounds,
+                    bool(os.environ.get("BREAKDOWN")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
