@@ -9,6 +9,7 @@ BREAKDOWN=1 it also prints where each variant's device time goes, kernel by kern
 number of rounds (default 5, each 5 CUDA-graph replays per variant).
 """
 
+import functools
 import os
 import statistics
 import sys
@@ -52,21 +53,19 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
         runs.append((name, v, module))
     x, w, ids = state.tokens
     buf = torch.empty_like(x)
-    samples = {name: [] for name, _, _ in runs}
+    calls = {name: functools.partial(module.fused_experts, x, *state.weights, w, ids, out=buf)
+             for name, _, module in runs}
+    samples = {name: [] for name in calls}
     for _ in range(rounds):
-        for name, _, module in runs:
-            def call(module=module):
-                return module.fused_experts(x, *state.weights, w, ids, out=buf)
+        for name, call in calls.items():
             samples[name].append(time_fn(call, reps=5).median_ms)
     lead_ms = statistics.median(samples["leader"])
-    for name, v, module in runs:
+    for name, v, _ in runs:
         ms = statistics.median(samples[name])
         print(f"T={case.T:<6} {ms:8.4f} ms  x{ms / lead_ms:.3f}  {v.label}  rounds "
               f"{[round(s, 3) for s in samples[name]]}")
         if breakdown:
-            def call(module=module):
-                return module.fused_experts(x, *state.weights, w, ids, out=buf)
-            kernels = kernel_breakdown(call, calls=3) or []
+            kernels = kernel_breakdown(calls[name], calls=3) or []
             print("         " + ", ".join(f"{k['name'][:28]} {k['us']:.0f} us" for k in kernels[:5]))
 
 
