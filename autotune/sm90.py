@@ -27,7 +27,7 @@ from .workloads import Case
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # Pointer arguments that are not activations, by name.
 _INDEX_POINTERS = {"sorted_slots_ptr", "block_expert_ptr", "block_rows_ptr", "num_blocks_ptr", "walk_blocks_ptr",
-                   "walk_count_ptr"}
+                   "walk_count_ptr", "tile_counter_ptr"}
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,8 @@ def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
                 signature[arg] = gluon_descriptor_type(case.shape.dtype, [v.block_m, g["BLOCK_N"]])
     if "HALF_TAIL" in fn.arg_names:
         constexprs["HALF_TAIL"] = v.half_tail
+    if "DYNAMIC" in fn.arg_names:
+        constexprs["DYNAMIC"] = v.dynamic_walk
     if "w_half_desc" in fn.arg_names:  # GEMM1's half tails: gate and up in half-width boxes
         signature["w_half_desc"] = gluon_descriptor_type(case.shape.dtype, [g["BLOCK_N"] // 2, g["BLOCK_K"]])
     if fn.__name__ == "_gemm1_gluon_gather_kernel":  # rows gathered by pointer, weights by TMA

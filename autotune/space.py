@@ -118,6 +118,12 @@ PARAMS: tuple[Param, ...] = (
           "the Gluon GEMM2 writes y in expert order (whole tiles by TMA store, left in flight while the next "
           "tile runs) instead of scattering rows to slot order; dispatch also writes each slot's position and "
           "the combine reads through it", default=False, when=lambda v, case: v["g2_gluon"]),
+    Param("dynamic_walk", (False, True),
+          "the Gluon GEMMs' persistent walk is dynamic: each program's loader claims its next tile from a "
+          "global counter and posts it to the consumer with the tile's first stage, so programs whose tiles "
+          "differ in length (half tails, uneven experts) stay on neighbouring tiles and share them in L2, "
+          "where the static walk (tiles p, p + SMs, ...) drifts apart", default=False,
+          when=lambda v, case: v["g1_gluon"] or v["g2_gluon"]),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -157,6 +163,7 @@ class Variant:
     g1_gluon: bool = False
     g1_tma_store: bool = False
     g2_sorted_out: bool = False
+    dynamic_walk: bool = False
 
     @property
     def route(self) -> str:
@@ -203,7 +210,8 @@ class Variant:
 
         g1_text = gluon(g1, " tma-store" if self.g1_tma_store else "") if self.g1_gluon else gemm(g1)
         g2_text = gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon else gemm(g2)
-        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}"
+        dynamic = " dynamic-walk" if self.dynamic_walk else ""
+        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
 
 
 def _next_pow2(n: int) -> int:
@@ -241,6 +249,8 @@ def violations(v: Variant, case: Case) -> list[str]:
         bad.append("g2_sorted_out is the Gluon GEMM2's epilogue: it needs g2_gluon")
     if v.g2_sorted_out and (s.H * s.elem_bytes) % 16:
         bad.append(f"g2_sorted_out writes y rows by TMA, which needs 16-byte rows; H={s.H} is not")
+    if v.dynamic_walk and not (v.g1_gluon or v.g2_gluon):
+        bad.append("dynamic_walk is how the Gluon GEMMs walk their tiles: it needs g1_gluon or g2_gluon")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()

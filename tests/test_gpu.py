@@ -69,6 +69,15 @@ VARIANTS = {
         g1_gluon=True, g2_gluon=True, g1_tma_store=True, g2_sorted_out=True),
     "split/fused triton g1 gluon g2 half": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
                                                    True, True, True, True, half_tail=True, g2_gluon=True),
+    # Dynamic walks: each loader claims its next tile from a counter and posts it to its consumer.
+    "split/fused gluon g1 g2 dynamic": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                               True, True, True, True, g1_gluon=True, g2_gluon=True, dynamic_walk=True),
+    "fused/fused gluon g1 gather g2 half dynamic tma-store sorted-out": Variant(
+        "fused", "fused", 128, 128, 64, 8, 8, 4, 256, 64, 8, 8, 3, True, True, True, True, half_tail=True,
+        g1_gluon=True, g2_gluon=True, g1_tma_store=True, g2_sorted_out=True, dynamic_walk=True),
+    "split/fused gluon g1 half dynamic, triton g2": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                                            True, True, True, False, half_tail=True, g1_gluon=True,
+                                                            dynamic_walk=True),
 }
 
 
@@ -111,9 +120,11 @@ def test_offsets_past_2_pow_31():
     assert not stats.failures(BAR), stats
 
 
-@pytest.mark.parametrize("name", ["fused/fused small", "fused/fused small pdl", "split/fused tma pdl", "direct/fused"])
+@pytest.mark.parametrize("name", ["fused/fused small", "fused/fused small pdl", "split/fused tma pdl", "direct/fused",
+                                  "split/fused gluon g1 g2 dynamic"])
 def test_cuda_graph_capture(name):
-    """The op never synchronises the host: it can be captured and replayed (with PDL edges too)."""
+    """The op never synchronises the host: it can be captured and replayed (with PDL edges too, and
+    with the dynamic walks' tile counters, which every replay must zero again)."""
     shape = Shape(E=16, H=512, I=256, k=4, dtype="bfloat16")
     module = render.load_source(render.render_variant(VARIANTS.get(name) or TINY_T_ONLY[name]))
     w13, w2 = make_weights(shape, target.device(), seed=5)
@@ -124,7 +135,9 @@ def test_cuda_graph_capture(name):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         module.fused_experts(x, w13, w2, w, ids, out=out)
-    out.zero_()
-    g.replay()
-    torch.cuda.synchronize()
-    assert not error_stats(out, moe_reference(x, w13, w2, w, ids)).failures(BAR)
+    reference = moe_reference(x, w13, w2, w, ids)
+    for _ in range(2):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert not error_stats(out, reference).failures(BAR)

@@ -28,7 +28,10 @@ def every_form_module() -> str:
                                       g2_num_warps=8, g1_gluon=True, g1_tma_store=True, g2_gluon=True,
                                       g2_sorted_out=True, half_tail=True),
                   dataclasses.replace(small_variant("fused", tma=True, persistent=True, block_m=128), g1_num_warps=8,
-                                      g2_num_warps=8, g1_gluon=True, g2_gluon=True, half_tail=True)):
+                                      g2_num_warps=8, g1_gluon=True, g2_gluon=True, half_tail=True),
+                  # Dynamic walks beside the static ones above.
+                  dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
+                                      g2_num_warps=8, g1_gluon=True, g2_gluon=True, dynamic_walk=True)):
         rows.append(render.Row(2 ** len(rows), gluon))
     rows[-1] = render.Row(math.inf, rows[-1].v)
     return render.render_module(rows, "every form", ["a test module"])

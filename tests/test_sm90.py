@@ -116,3 +116,19 @@ def test_gluon_half_tails_compile(dispatch, extra):
         half = _gluon_report(v, case, which)
         assert set(half.wgmma_shapes) == {"m64n128k16", "m64n256k16"}, half.wgmma_shapes
         assert half.shared_bytes == full.shared_bytes
+
+
+@pytest.mark.parametrize("dispatch", ["split", "fused"])
+def test_gluon_dynamic_walk_compiles(dispatch):
+    """dynamic_walk: the Gluon GEMMs' loaders claim tiles from a counter and post them to the
+    consumers through a few bytes of shared memory (a slot per ring stage), without spills and
+    with the same wgmma tile."""
+    case = Case(SEED16_SHAPE, 32768)
+    v = dataclasses.replace(small_variant(dispatch, tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                            g1_num_warps=8, g1_num_stages=3, g2_block_n=256, g2_num_warps=8, g2_num_stages=3,
+                            g1_gluon=True, g2_gluon=True, dynamic_walk=True)
+    for which in (1, 2):
+        static = _gluon_report(dataclasses.replace(v, dynamic_walk=False), case, which)
+        dynamic = _gluon_report(v, case, which)
+        assert 0 < dynamic.shared_bytes - static.shared_bytes <= 256
+        assert dynamic.wgmma_shapes == static.wgmma_shapes

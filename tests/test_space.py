@@ -105,6 +105,16 @@ def test_gluon_gemms_take_half_tails_at_128_rows():
     assert not space.PARAM_BY_NAME["g1_gluon"].when({**answers, "tail_walk": True}, case)
 
 
+def test_dynamic_walk_is_the_gluon_gemms():
+    case = Case(SEED16_SHAPE, T=8192)
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                            g1_num_warps=8, g2_num_warps=8, g1_gluon=True, dynamic_walk=True)
+    assert [r for r in space.violations(v, case) if "need a GPU" not in r] == []
+    assert any("needs g1_gluon or g2_gluon" in r
+               for r in space.violations(dataclasses.replace(v, g1_gluon=False), case))
+    assert "dynamic-walk" in v.label and "dynamic-walk" not in dataclasses.replace(v, dynamic_walk=False).label
+
+
 def test_gluon_gemm1_says_what_it_is():
     case = Case(SEED16_SHAPE, T=8192)
     ok = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=128, bk=64),
