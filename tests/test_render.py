@@ -72,3 +72,10 @@ def test_zipf_routing_is_skewed():
     _, _, ids = make_tokens(Case(shape, 512, routing="zipf"), "cpu")
     counts = ids.flatten().bincount(minlength=16).sort(descending=True).values
     assert counts[0] > 4 * counts[8]  # the hottest expert gets many times a median one
+
+
+def test_every_form_module_loads_with_each_rows_flags():
+    """The variant table carries every flag its launcher reads (a missing field only fails at launch)."""
+    module = render.load_source(every_form_module())
+    assert [row.dynamic_walk for row in module.VARIANTS][-2:] == [False, True]
+    assert module.VARIANTS[-1].g1_gluon and module.VARIANTS[-1].g2_gluon
