@@ -37,15 +37,29 @@ def every_form_module() -> str:
     return render.render_module(rows, "every form", ["a test module"])
 
 
+def _ruff(path: Path) -> subprocess.CompletedProcess:
+    # The project's rules (line length included), as for hand-written code.
+    config = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    return subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--config", str(config), str(path)],
+                          capture_output=True, text=True)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
 def test_rendered_module_passes_ruff(tmp_path):
     path = tmp_path / "every_form.py"
     path.write_text(every_form_module())
-    # The project's rules (line length included), as for hand-written code.
-    config = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--config", str(config), str(path)],
-                            capture_output=True, text=True)
+    result = _ruff(path)
     assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
+@pytest.mark.xfail(strict=True, reason="known debt: GEMM2's Gluon launch with half tails and the dynamic walk "
+                   "(no sorted output) renders a 134-character line; the fix re-renders T=8192's leader, which "
+                   "then needs re-timing on the GPU (NOTES 20)")
+def test_committed_modules_pass_ruff():
+    for path in sorted((Path(__file__).resolve().parent.parent / "kernels_generated").glob("*.py")):
+        result = _ruff(path)
+        assert result.returncode == 0, result.stdout
 
 
 def test_rendered_module_imports_only_torch_and_triton():

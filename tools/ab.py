@@ -6,7 +6,9 @@ interleaved rounds so that a drifting clock weighs on every variant alike.
 Each assignment is applied to the case's leader (the variant `moe-tune emit` would ship from
 db/moe_tune.sqlite3 for this GPU); variants the space rejects are reported and skipped. With
 BREAKDOWN=1 it also prints where each variant's device time goes, kernel by kernel. ROUNDS sets the
-number of rounds (default 5, each 5 CUDA-graph replays per variant).
+number of rounds (default 5, each 5 CUDA-graph replays per variant). With EAGER=1 each round also
+times 5 eager back-to-back calls per variant (no graph), reported beside the graph figures: a
+difference that shows in one and not the other is the graph's (NOTES 20).
 """
 
 import functools
@@ -38,7 +40,7 @@ def candidates(lead: Variant, case: Case, assignments: list[str]) -> list[tuple[
     return out
 
 
-def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown: bool) -> None:
+def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown: bool, eager: bool = False) -> None:
     state = _CaseState()
     state.prepare(case)
     runs = []
@@ -55,18 +57,22 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
     buf = torch.empty_like(x)
     calls = {name: functools.partial(module.fused_experts, x, *state.weights, w, ids, out=buf)
              for name, _, module in runs}
-    samples = {name: [] for name in calls}
+    methods = ("graph", "eager") if eager else ("graph",)
+    samples = {(name, how): [] for name in calls for how in methods}
     for _ in range(rounds):
         for name, call in calls.items():
-            samples[name].append(time_fn(call, reps=5).median_ms)
-    lead_ms = statistics.median(samples["leader"])
-    for name, v, _ in runs:
-        ms = statistics.median(samples[name])
-        print(f"T={case.T:<6} {ms:8.4f} ms  x{ms / lead_ms:.3f}  {v.label}  rounds "
-              f"{[round(s, 3) for s in samples[name]]}")
-        if breakdown:
-            kernels = kernel_breakdown(calls[name], calls=3) or []
-            print("         " + ", ".join(f"{k['name'][:28]} {k['us']:.0f} us" for k in kernels[:5]))
+            for how in methods:
+                samples[name, how].append(time_fn(call, reps=5, graph=how == "graph").median_ms)
+    for how in methods:
+        lead_ms = statistics.median(samples["leader", how])
+        for name, v, _ in runs:
+            ms = statistics.median(samples[name, how])
+            print(f"T={case.T:<6} {ms:8.4f} ms  x{ms / lead_ms:.3f}  {how:5s}  {v.label}  rounds "
+                  f"{[round(s, 3) for s in samples[name, how]]}")
+    if breakdown:
+        for name, call in calls.items():
+            kernels = kernel_breakdown(call, calls=3) or []
+            print(f"         {name}: " + ", ".join(f"{k['name'][:28]} {k['us']:.0f} us" for k in kernels[:5]))
 
 
 def main(argv: list[str]) -> int:
@@ -83,7 +89,7 @@ def main(argv: list[str]) -> int:
                 print(f"T={T}: no leader of today's templates in the database")
                 continue
             compare(case, candidates(Variant.from_dict(best.params), case, argv[1:]), rounds,
-                    bool(os.environ.get("BREAKDOWN")))
+                    bool(os.environ.get("BREAKDOWN")), bool(os.environ.get("EAGER")))
     return 0
 
 
