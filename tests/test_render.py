@@ -53,9 +53,6 @@ def test_rendered_module_passes_ruff(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
-@pytest.mark.xfail(strict=True, reason="known debt: GEMM2's Gluon launch with half tails and the dynamic walk "
-                   "(no sorted output) renders a 134-character line; the fix re-renders T=8192's leader, which "
-                   "then needs re-timing on the GPU (NOTES 20)")
 def test_committed_modules_pass_ruff():
     for path in sorted((Path(__file__).resolve().parent.parent / "kernels_generated").glob("*.py")):
         result = _ruff(path)
