@@ -59,7 +59,8 @@ def cmd_tune(args) -> int:
     _announce_cpu("tuning")
     cfg = TuneConfig(storage_url=_url(args), trials=args.trials, time_budget_s=args.time_budget,
                      more=args.more, seed=args.seed, isolate=not args.in_process, reps=args.reps,
-                     timeout_s=args.timeout, command=" ".join(sys.argv), probes=probes)
+                     timeout_s=args.timeout, command=" ".join(sys.argv), probes=probes,
+                     retime=args.retime)
     best = tune(cases, cfg)
     for key, ms in best.items():
         print(f"{key}: best {ms:.4f} ms")
@@ -120,6 +121,9 @@ def cmd_bench(args) -> int:
     result = bench.run_bench(module.fused_experts, cases, peers=not args.no_peers)
     result["module"] = str(path)
     print(bench.format_table(result))
+    sustained = bench.format_sustained(result)
+    if sustained:
+        print(sustained)
     kernels = bench.format_kernels(result)
     if kernels:
         print("\nWhere our time goes (device time per call, profiled outside a CUDA graph):\n" + kernels)
@@ -229,6 +233,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true", help="no worker process (a GPU fault ends the run)")
     p.add_argument("--probe", action="append", default=[], metavar="PARAM=VALUE[,...]",
                    help="also try each case's best variant with these parameters set, first (repeatable)")
+    p.add_argument("--retime", type=int, default=0, metavar="N",
+                   help="first re-time each case's N fastest variants in this run, so that they compare on one "
+                   "state of the GPU; a variant's latest timing is the one that counts")
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("emit", help="write the best variant per case as kernels_generated/<name>.py")

@@ -139,21 +139,30 @@ def cached_result(session: Session, fingerprint: str, case_key: str, source_hash
     ).first()
 
 
+def _latest_per_source(trials) -> list[Trial]:
+    """One trial per measured source, its latest (`tune --retime` times a source again so that the
+    contenders compare on one state of the GPU: the newer timing is the one that counts)."""
+    latest: dict[str, Trial] = {}
+    for t in sorted(trials, key=lambda t: t.id):
+        latest[t.source_hash or f"#{t.id}"] = t
+    return list(latest.values())
+
+
 def ranked_trials(session: Session, fingerprint: str, case_key: str) -> list[Trial]:
-    """Verified trials of one case on this fingerprint, fastest first."""
-    return list(session.scalars(
+    """Verified trials of one case on this fingerprint, fastest first, each source by its latest timing."""
+    return sorted(_latest_per_source(session.scalars(
         select(Trial).where(Trial.fingerprint == fingerprint, Trial.case_key == case_key, Trial.status == "ok")
-        .order_by(Trial.median_ms)
-    ))
+    )), key=lambda t: t.median_ms)
 
 
 def best_trials(session: Session, fingerprint: str, case_keys: list[str] | None = None) -> dict[str, Trial]:
-    """Fastest verified trial per case on this fingerprint (never another GPU's or Triton's)."""
+    """Fastest verified trial per case on this fingerprint (never another GPU's or Triton's), each
+    source by its latest timing."""
     query = select(Trial).where(Trial.fingerprint == fingerprint, Trial.status == "ok")
     if case_keys is not None:
         query = query.where(Trial.case_key.in_(case_keys))
     best: dict[str, Trial] = {}
-    for t in session.scalars(query):
+    for t in _latest_per_source(session.scalars(query)):
         if t.case_key not in best or t.median_ms < best[t.case_key].median_ms:
             best[t.case_key] = t
     return best

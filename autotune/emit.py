@@ -27,16 +27,25 @@ def thresholds(tokens: list[int]) -> list[float]:
     return [math.floor(math.sqrt(a * b)) for a, b in zip(tokens, tokens[1:], strict=False)] + [math.inf]
 
 
-def current_best(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
-    """The fastest verified trial whose measured source is what the templates render today.
+def contenders(session: Session, fingerprint: str, case: Case, n: int) -> list[db.Trial]:
+    """The n fastest verified trials whose measured source is what the templates render today.
 
     A trial timed before a template change measured other code: it is skipped, never shipped on
     the strength of another kernel's time (the tuner re-measures such leaders first).
     """
+    out = []
     for t in db.ranked_trials(session, fingerprint, case.key):
+        if len(out) == n:
+            break
         if t.source_hash == render.variant_hash(Variant.from_dict(t.params)):
-            return t
-    return None
+            out.append(t)
+    return out
+
+
+def current_best(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
+    """The fastest verified trial of today's templates (see `contenders`)."""
+    best = contenders(session, fingerprint, case, 1)
+    return best[0] if best else None
 
 
 def stale_leaders(session: Session, fingerprint: str, case: Case, n: int = 3) -> list[dict]:

@@ -37,6 +37,10 @@ class TuneConfig:
     command: str = ""
     # Each case's leader is also tried with each of these assignments (e.g. {"g1_weight_tma": True}).
     probes: tuple[dict, ...] = ()
+    # Re-time each case's n fastest variants of today's templates in this run, so that they compare on
+    # one state of the GPU (its clock moves with load and temperature between runs); the latest timing
+    # of a source is the one ranking and emission use.
+    retime: int = 0
 
 
 def study_name(case: Case, fp: target.Fingerprint) -> str:
@@ -95,9 +99,12 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     if not study.get_trials(deepcopy=False):
         for v in space.starting_points(case):
             study.enqueue_trial(v.as_dict())
-    # Leaders timed before the templates last changed go first: their new code is unmeasured.
-    # Then the leader with each parameter added since it was measured set to its other values.
-    queued = (emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
+    # Re-timings asked for go first, then leaders timed before the templates last changed (their new
+    # code is unmeasured), then the leader with each parameter added since it was measured set to its
+    # other values.
+    retimes = [space.Variant.from_dict(t.params).as_dict() for t in emit.contenders(session, fp.key, case, cfg.retime)]
+    retime_digests = {render.variant_hash(space.Variant.from_dict(p)) for p in retimes}
+    queued = (retimes + emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
               + _leader_probes(session, fp, case, cfg.probes))
     for params in queued:
         study.enqueue_trial(params)
@@ -121,7 +128,8 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             continue
         source = render.render_variant(v)
         digest = render.source_hash(source)
-        earlier = db.cached_result(session, fp.key, case.key, digest)
+        earlier = None if digest in retime_digests else db.cached_result(session, fp.key, case.key, digest)
+        retime_digests.discard(digest)
         if earlier is not None:
             # The same code on the same case and machine: reuse its measurement.
             study.tell(trial, earlier.median_ms if earlier.status == "ok" else None,

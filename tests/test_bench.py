@@ -111,6 +111,7 @@ def test_measure_ceilings():
     assert c.read_bytes_per_s > 0 and c.matmul_flops_per_s == max(c.torch_matmul_flops_per_s,
                                                                   c.triton_gemm_flops_per_s or 0,
                                                                   c.gluon_gemm_flops_per_s or 0)
+    assert (c.sustained_matmul_flops_per_s is None) == (not target.has_gpu())  # measured on a GPU only
     assert json.dumps(c.as_dict())
 
 
@@ -184,6 +185,9 @@ def test_gpu_ceilings_and_gemm():
     c = bench.measure_ceilings()
     assert c.triton_gemm_flops_per_s is not None, c.notes
     assert c.read_bytes_per_s > 1e12 and c.matmul_flops_per_s > 1e14  # any datacenter GPU of this decade
+    # Under a ~20 ms load the card may lower its clock, never raise it past the burst's rate by much.
+    assert c.sustained_matmul_flops_per_s is not None and c.sustained_sm_clock_mhz is not None
+    assert 0.3 * c.matmul_flops_per_s < c.sustained_matmul_flops_per_s < 1.1 * c.matmul_flops_per_s
 
 
 @gpu
@@ -217,6 +221,17 @@ def test_format_kernels_shows_the_split_per_case():
     text = bench.format_kernels({"cases": [row, {"T": 16, "ours": {"ms": None}}]}, top=2)
     assert text == ("T=8      kernels      33.0 us (graph      50.0): "
                     "gemm1_gather_swiglu 30.0, dispatch_count 2.0 (x2), other 1.0")
+
+
+def test_format_sustained_reads_the_compute_bound_cases_against_the_sustained_rate():
+    ceilings = {"read_bytes_per_s": 4e12, "matmul_flops_per_s": 800e12, "sustained_matmul_flops_per_s": 680e12,
+                "sustained_sm_clock_mhz": {"first": 1980, "last": 1470}}
+    small = {"T": 64, "flops": 1e9, "bytes": 1e10, "ours": {"ok": True, "tflops": 10.0}}  # bandwidth-bound
+    large = {"T": 32768, "flops": 1.3e13, "bytes": 1.3e10, "ours": {"ok": True, "tflops": 578.0}}
+    text = bench.format_sustained({"ceilings": ceilings, "cases": [small, large]})
+    assert "680 TFLOP/s" in text and "1980 -> 1470 MHz" in text and "ceiling's 800" in text
+    assert text.endswith("against it: T=32768 85.0%.")
+    assert bench.format_sustained({"ceilings": {**ceilings, "sustained_matmul_flops_per_s": None}, "cases": []}) == ""
 
 
 @gpu

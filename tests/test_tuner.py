@@ -180,6 +180,30 @@ def test_leader_probes_apply_each_assignment_once(tuned_db):
     assert probes == [probe.as_dict()]
 
 
+def test_retime_times_the_contenders_again_and_their_latest_timing_counts(tuned_db, tmp_path):
+    """--retime N re-measures each case's N fastest variants in the new run (no cached answer), and
+    ranking then counts each source once, by that latest timing."""
+    import shutil
+
+    url, _, _ = tuned_db
+    copy = tmp_path / "retime.sqlite3"
+    shutil.copy(url.removeprefix("sqlite:///"), copy)
+    url = f"sqlite:///{copy}"
+    case, fp = CASES[1], target.fingerprint().key
+    with Session(db.connect(url)) as s:
+        before = sorted(t.source_hash for t in emit.contenders(s, fp, case, 2))
+    assert before
+    tune([case], TuneConfig(storage_url=url, more=0, isolate=False, reps=1, retime=2), log=lambda m: None)
+    with Session(db.connect(url)) as s:
+        run = max(r.id for r in s.scalars(select(db.Run)))
+        again = s.scalars(select(db.Trial).where(db.Trial.run_id == run, db.Trial.status == "ok")).all()
+        assert sorted(t.source_hash for t in again) == before
+        ranked = db.ranked_trials(s, fp, case.key)
+        assert len({t.source_hash for t in ranked}) == len(ranked)
+        assert {t.id for t in again} <= {t.id for t in ranked}
+        assert db.best_trials(s, fp, [case.key])[case.key].id == ranked[0].id
+
+
 def test_committed_module_is_what_the_committed_database_emits(tmp_path):
     """What is shipped is what was timed: re-emitting from db/moe_tune.sqlite3 renders the committed
     module line for line (but the emission time), so every kernel in it was measured as rendered."""
