@@ -106,11 +106,14 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     retime_digests = {render.variant_hash(space.Variant.from_dict(p)) for p in retimes}
     queued = (retimes + emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
               + _leader_probes(session, fp, case, cfg.probes))
+    # Points an earlier run queued and did not reach (its time budget ran out) are asked first: they
+    # are owed work too, and must not take the places of this run's.
+    waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
     for params in queued:
         study.enqueue_trial(params)
     done = _finished(study)
     first_done = done
-    target_trials = trial_target(done, len(queued), cfg)
+    target_trials = trial_target(done, waiting + len(queued), cfg)
     log(f"[{case.key}] study {name}: {done} trials done, target {target_trials}")
     rejects = 0
     while done < target_trials and rejects < MAX_REJECTS_PER_TRIAL * target_trials:
@@ -176,15 +179,15 @@ def trial_target(done: int, queued: int, cfg: TuneConfig) -> int:
 
 
 def _new_dimension_probes(session, fp, case) -> list[dict]:
-    """The case's fastest trial with each parameter it predates set to that parameter's other values.
+    """The case's leader (the fastest trial of today's templates) with each parameter it predates set
+    to that parameter's other values.
 
     A new dimension otherwise waits for the sampler to stumble on it; probing it from the best known
     point answers "does it help here" in a trial or two. Probes already measured are skipped.
     """
-    ranked = db.ranked_trials(session, fp.key, case.key)
-    if not ranked:
+    leader = emit.current_best(session, fp.key, case)
+    if leader is None:
         return []
-    leader = ranked[0]
     probes = []
     for p in space.PARAMS:
         if p.default is None or p.name in leader.params:
@@ -200,14 +203,14 @@ def _new_dimension_probes(session, fp, case) -> list[dict]:
 
 
 def _leader_probes(session, fp, case, assignments) -> list[dict]:
-    """The case's fastest trial with each of `assignments` applied, where that point can run the case
-    and today's code for it is unmeasured."""
-    ranked = db.ranked_trials(session, fp.key, case.key)
-    if not ranked or not assignments:
+    """The case's leader (the fastest trial of today's templates) with each of `assignments` applied,
+    where that point can run the case and today's code for it is unmeasured."""
+    leader = emit.current_best(session, fp.key, case)
+    if leader is None or not assignments:
         return []
     probes = []
     for change in assignments:
-        v = space.Variant.from_dict({**ranked[0].params, **change})
+        v = space.Variant.from_dict({**leader.params, **change})
         if v.as_dict() in probes or space.violations(v, case):
             continue
         if db.cached_result(session, fp.key, case.key, render.variant_hash(v)) is None:

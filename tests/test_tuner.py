@@ -152,7 +152,8 @@ def test_new_parameters_are_probed_from_the_leader(tuned_db):
         old_params = {k: v for k, v in small_variant().as_dict().items() if k != "pdl"}
         fake = db.record_trial(s, run_id=current.run_id, study=current.study, fingerprint=current.fingerprint,
                                case_key=case.key, case=case.as_dict(), params=old_params, label=current.label,
-                               source_hash="1" * 16, status="ok", median_ms=current.median_ms / 100)
+                               source_hash=render.variant_hash(space.Variant.from_dict(old_params)), status="ok",
+                               median_ms=current.median_ms / 100)
         try:
             probes = tuner._new_dimension_probes(s, target.fingerprint(), case)
             assert probes == [space.Variant.from_dict({**old_params, "pdl": True}).as_dict()]
@@ -168,15 +169,23 @@ def test_leader_probes_apply_each_assignment_once(tuned_db):
     url, _, _ = tuned_db
     case = CASES[1]
     with Session(db.connect(url)) as s:
-        leader = db.ranked_trials(s, target.fingerprint().key, case.key)[0]
+        leader = emit.current_best(s, target.fingerprint().key, case)
         change = {f"g{i}_group_m": next(g for g in (1, 4, 8, 16) if g != leader.params[f"g{i}_group_m"])
                   for i in (1, 2)}
         probe = space.Variant.from_dict({**leader.params, **change})
         assert db.cached_result(s, target.fingerprint().key, case.key, render.variant_hash(probe)) is None
-        probes = tuner._leader_probes(s, target.fingerprint(), case, [
-            change, change, {"block_m": leader.params["block_m"]},  # a repeat; the leader itself
-            {"g1_block_k": 256},  # exceeds the case's H: cannot run it
-        ])
+        # A faster trial of code the templates no longer render is no base for probes.
+        stale = db.record_trial(s, run_id=leader.run_id, study=leader.study, fingerprint=leader.fingerprint,
+                                case_key=case.key, case=case.as_dict(), params=small_variant(bn=64).as_dict(),
+                                label="stale", source_hash="2" * 16, status="ok", median_ms=leader.median_ms / 100)
+        try:
+            probes = tuner._leader_probes(s, target.fingerprint(), case, [
+                change, change, {"block_m": leader.params["block_m"]},  # a repeat; the leader itself
+                {"g1_block_k": 256},  # exceeds the case's H: cannot run it
+            ])
+        finally:
+            s.delete(stale)
+            s.commit()
     assert probes == [probe.as_dict()]
 
 
@@ -202,6 +211,33 @@ def test_retime_times_the_contenders_again_and_their_latest_timing_counts(tuned_
         assert len({t.source_hash for t in ranked}) == len(ranked)
         assert {t.id for t in again} <= {t.id for t in ranked}
         assert db.best_trials(s, fp, [case.key])[case.key].id == ranked[0].id
+
+
+def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp_path):
+    """A point left waiting in a study's queue (an earlier run's time budget ran out) is asked first;
+    it is counted as owed work, so this run's own re-timings still all run."""
+    import shutil
+
+    import optuna
+
+    from autotune import tuner
+
+    url, _, _ = tuned_db
+    copy = tmp_path / "queue.sqlite3"
+    shutil.copy(url.removeprefix("sqlite:///"), copy)
+    url = f"sqlite:///{copy}"
+    case, fp = CASES[1], target.fingerprint()
+    with Session(db.connect(url)) as s:
+        leader = emit.current_best(s, fp.key, case)
+    study = optuna.load_study(study_name=tuner.study_name(case, fp), storage=url)
+    study.enqueue_trial(leader.params)  # measured before: answered from the database when asked
+    tune([case], TuneConfig(storage_url=url, more=0, isolate=False, reps=1, retime=1), log=lambda m: None)
+    study = optuna.load_study(study_name=tuner.study_name(case, fp), storage=url)
+    assert not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    with Session(db.connect(url)) as s:
+        run = max(r.id for r in s.scalars(select(db.Run)))
+        again = s.scalars(select(db.Trial).where(db.Trial.run_id == run, db.Trial.status == "ok")).all()
+        assert [t.source_hash for t in again] == [leader.source_hash]
 
 
 def test_committed_module_is_what_the_committed_database_emits(tmp_path):
