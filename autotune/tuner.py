@@ -99,13 +99,16 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     if not study.get_trials(deepcopy=False):
         for v in space.starting_points(case):
             study.enqueue_trial(v.as_dict())
-    # Re-timings asked for go first, then leaders timed before the templates last changed (their new
-    # code is unmeasured), then the leader with each parameter added since it was measured set to its
-    # other values.
-    retimes = [space.Variant.from_dict(t.params).as_dict() for t in emit.contenders(session, fp.key, case, cfg.retime)]
+    # Leaders timed before the templates last changed (their new code is unmeasured), then the leader
+    # with each parameter added since it was measured set to its other values, then --probe's points.
+    challengers = (emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
+                   + _leader_probes(session, fp, case, cfg.probes))
+    # Re-timings go first: --retime's, and at least the leader whenever challengers are measured, so
+    # that they are compared with a leader timed on the same state of the GPU.
+    n_retime = max(cfg.retime, 1 if challengers else 0)
+    retimes = [space.Variant.from_dict(t.params).as_dict() for t in emit.contenders(session, fp.key, case, n_retime)]
     retime_digests = {render.variant_hash(space.Variant.from_dict(p)) for p in retimes}
-    queued = (retimes + emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
-              + _leader_probes(session, fp, case, cfg.probes))
+    queued = retimes + challengers
     # Points an earlier run queued and did not reach (its time budget ran out) are asked first: they
     # are owed work too, and must not take the places of this run's.
     waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))

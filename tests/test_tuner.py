@@ -213,6 +213,27 @@ def test_retime_times_the_contenders_again_and_their_latest_timing_counts(tuned_
         assert db.best_trials(s, fp, [case.key])[case.key].id == ranked[0].id
 
 
+def test_a_probed_case_has_its_leader_retimed_beside_the_probe(tuned_db, tmp_path):
+    """A run that measures a challenger (here a --probe) also re-times the case's leader, so that the
+    two compare on one state of the GPU."""
+    import shutil
+
+    url, _, _ = tuned_db
+    copy = tmp_path / "probe.sqlite3"
+    shutil.copy(url.removeprefix("sqlite:///"), copy)
+    url = f"sqlite:///{copy}"
+    case, fp = CASES[1], target.fingerprint().key
+    with Session(db.connect(url)) as s:
+        leader = emit.current_best(s, fp, case)
+    change = {"g1_group_m": next(g for g in (1, 4, 8, 16) if g != leader.params["g1_group_m"])}
+    tune([case], TuneConfig(storage_url=url, more=0, isolate=False, reps=1, probes=(change,)), log=lambda m: None)
+    with Session(db.connect(url)) as s:
+        run = max(r.id for r in s.scalars(select(db.Run)))
+        timed = s.scalars(select(db.Trial).where(db.Trial.run_id == run, db.Trial.status == "ok")).all()
+    assert len(timed) == 2 and leader.source_hash in {t.source_hash for t in timed}
+    assert any(t.params["g1_group_m"] == change["g1_group_m"] for t in timed)
+
+
 def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp_path):
     """A point left waiting in a study's queue (an earlier run's time budget ran out) is asked first;
     it is counted as owed work, so this run's own re-timings still all run."""
