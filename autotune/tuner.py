@@ -22,6 +22,8 @@ from .workloads import Case
 # Rejected points (cannot compile or exceed shared memory) are cheap; cap them so a narrow space
 # cannot spin the sampler forever.
 MAX_REJECTS_PER_TRIAL = 20
+# Contenders re-timed in any run that measures challengers for their case (see _tune_case).
+AUTO_RETIME = 2
 
 
 @dataclass
@@ -103,9 +105,11 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     # with each parameter added since it was measured set to its other values, then --probe's points.
     challengers = (emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
                    + _leader_probes(session, fp, case, cfg.probes))
-    # Re-timings go first: --retime's, and at least the leader whenever challengers are measured, so
-    # that they are compared with a leader timed on the same state of the GPU.
-    n_retime = max(cfg.retime, 1 if challengers else 0)
+    # Re-timings go first: --retime's, and at least the leader and its runner-up whenever challengers
+    # are measured, so that they are compared with leaders timed on the same state of the GPU. (Ranking
+    # takes each source's latest timing: a leader re-timed alone on a slow card would lose to a
+    # runner-up timed on a fast one.)
+    n_retime = max(cfg.retime, AUTO_RETIME if challengers else 0)
     retimes = [space.Variant.from_dict(t.params).as_dict() for t in emit.contenders(session, fp.key, case, n_retime)]
     retime_digests = {render.variant_hash(space.Variant.from_dict(p)) for p in retimes}
     queued = retimes + challengers

@@ -213,10 +213,12 @@ def test_retime_times_the_contenders_again_and_their_latest_timing_counts(tuned_
         assert db.best_trials(s, fp, [case.key])[case.key].id == ranked[0].id
 
 
-def test_a_probed_case_has_its_leader_retimed_beside_the_probe(tuned_db, tmp_path):
-    """A run that measures a challenger (here a --probe) also re-times the case's leader, so that the
-    two compare on one state of the GPU."""
+def test_a_probed_case_has_its_leaders_retimed_beside_the_probe(tuned_db, tmp_path):
+    """A run that measures a challenger (here a --probe) also re-times the case's leader and runner-up,
+    so that they compare on one state of the GPU."""
     import shutil
+
+    from autotune import space, tuner
 
     url, _, _ = tuned_db
     copy = tmp_path / "probe.sqlite3"
@@ -224,13 +226,19 @@ def test_a_probed_case_has_its_leader_retimed_beside_the_probe(tuned_db, tmp_pat
     url = f"sqlite:///{copy}"
     case, fp = CASES[1], target.fingerprint().key
     with Session(db.connect(url)) as s:
-        leader = emit.current_best(s, fp, case)
-    change = {"g1_group_m": next(g for g in (1, 4, 8, 16) if g != leader.params["g1_group_m"])}
+        leaders = emit.contenders(s, fp, case, tuner.AUTO_RETIME)
+        # A group size the leader has not been measured with (the probe must be new to be timed).
+        def measured(g: int) -> bool:
+            v = space.Variant.from_dict({**leaders[0].params, "g1_group_m": g})
+            return db.cached_result(s, fp, case.key, render.variant_hash(v)) is not None
+
+        change = {"g1_group_m": next(g for g in (1, 4, 8, 16) if not measured(g))}
     tune([case], TuneConfig(storage_url=url, more=0, isolate=False, reps=1, probes=(change,)), log=lambda m: None)
     with Session(db.connect(url)) as s:
         run = max(r.id for r in s.scalars(select(db.Run)))
         timed = s.scalars(select(db.Trial).where(db.Trial.run_id == run, db.Trial.status == "ok")).all()
-    assert len(timed) == 2 and leader.source_hash in {t.source_hash for t in timed}
+    assert len(timed) == len(leaders) + 1
+    assert {t.source_hash for t in leaders} < {t.source_hash for t in timed}
     assert any(t.params["g1_group_m"] == change["g1_group_m"] for t in timed)
 
 
