@@ -107,7 +107,7 @@ def _worker(conn) -> None:
             return
         kind, payload = msg
         if kind == "ceilings":
-            from .bench import measure_ceilings
+            from .ceilings import measure_ceilings
 
             conn.send(measure_ceilings().as_dict())
             continue
@@ -162,7 +162,7 @@ class Runner:
         if not target.has_gpu():
             return None
         if not self.isolate:
-            from .bench import measure_ceilings
+            from .ceilings import measure_ceilings
 
             return measure_ceilings().as_dict()
         answer = self._ask(("ceilings", None))

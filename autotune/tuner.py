@@ -172,7 +172,7 @@ def _floor_ms(case: Case, experts_touched: int, ceilings: dict | None) -> float 
     """The case's floor under the run's ceilings (the worker sends them as a dict); None without."""
     if not ceilings:
         return None
-    from .bench import Ceilings, floor_ms
+    from .ceilings import Ceilings, floor_ms
 
     return floor_ms(case, experts_touched, Ceilings(**ceilings))
 

@@ -15,7 +15,7 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
-from autotune import bench, peers, target, timing, wsgemm  # noqa: E402
+from autotune import bench, ceilings, peers, target, timing, wsgemm  # noqa: E402
 from autotune.reference import error_stats, moe_reference  # noqa: E402
 from autotune.workloads import DEMO_SHAPE, SEED16_SHAPE, Case, Shape, make_tokens, make_weights  # noqa: E402
 
@@ -24,7 +24,7 @@ needs_cuda = pytest.mark.skipif(not target.has_gpu(), reason="needs a CUDA GPU (
 
 TINY_FP32 = Shape(E=8, H=64, I=32, k=2, dtype="float32")
 # Numbers REFERENCE.md's seed16 table used for its SOL column.
-REF_CEILINGS = bench.Ceilings(read_bytes_per_s=4.47e12, matmul_flops_per_s=643e12,
+REF_CEILINGS = ceilings.Ceilings(read_bytes_per_s=4.47e12, matmul_flops_per_s=643e12,
                               torch_matmul_flops_per_s=643e12, triton_gemm_flops_per_s=None)
 
 
@@ -88,7 +88,7 @@ def test_nan_in_one_token_stays_there():
 
 def test_floor_on_seed16_numbers():
     """REFERENCE.md: 0.090 ms at T=1 (8 experts), 2.88 ms once every weight is read, 20.51 ms at T=32768."""
-    floor = lambda T, touched: bench.floor_ms(Case(SEED16_SHAPE, T), touched, REF_CEILINGS)
+    floor = lambda T, touched: ceilings.floor_ms(Case(SEED16_SHAPE, T), touched, REF_CEILINGS)
     assert floor(1, 8) == pytest.approx(0.0901, rel=2e-3)
     assert floor(1, 8) == pytest.approx((8 * 50_331_648 + 2 * 4096 * 2) / 4.47e12 * 1e3, rel=1e-12)
     assert floor(512, 256) == pytest.approx(2.881, rel=2e-3)
@@ -96,18 +96,18 @@ def test_floor_on_seed16_numbers():
 
 
 def test_read_bandwidth_kernel_runs():
-    assert bench.measure_read_bandwidth(reps=2) > 0
+    assert ceilings.measure_read_bandwidth(reps=2) > 0
 
 
 def test_matmul_rate_checks_our_gemm():
-    rates = bench.measure_matmul_rate(reps=2)
+    rates = ceilings.measure_matmul_rate(reps=2)
     assert rates.torch_flops_per_s > 0
     assert rates.triton_flops_per_s is not None, rates.notes  # the TMA GEMM ran and matched torch.matmul
     assert rates.best == max(rates.torch_flops_per_s, rates.triton_flops_per_s)
 
 
 def test_measure_ceilings():
-    c = bench.measure_ceilings(reps=2)
+    c = ceilings.measure_ceilings(reps=2)
     assert c.read_bytes_per_s > 0 and c.matmul_flops_per_s == max(c.torch_matmul_flops_per_s,
                                                                   c.triton_gemm_flops_per_s or 0,
                                                                   c.gluon_gemm_flops_per_s or 0)
@@ -117,7 +117,7 @@ def test_measure_ceilings():
 
 def test_gemm_compiles_for_sm90_with_tma_and_wgmma():
     """Compiled here for sm_90 (no GPU needed): fits Hopper's shared memory, loads through TMA, uses wgmma."""
-    report = bench.gemm_sm90_compile_report()
+    report = ceilings.gemm_sm90_compile_report()
     assert report["shared_bytes"] <= report["smem_limit_bytes"]
     assert report["tma_loads"] > 0 and report["wgmma"] > 0
 
@@ -182,7 +182,7 @@ def test_wrong_output_is_flagged_not_timed(tmp_path):
 @gpu
 @needs_cuda
 def test_gpu_ceilings_and_gemm():
-    c = bench.measure_ceilings()
+    c = ceilings.measure_ceilings()
     assert c.triton_gemm_flops_per_s is not None, c.notes
     assert c.read_bytes_per_s > 1e12 and c.matmul_flops_per_s > 1e14  # any datacenter GPU of this decade
     # Under a ~20 ms load the card may lower its clock, never raise it past the burst's rate by much.
@@ -224,14 +224,14 @@ def test_format_kernels_shows_the_split_per_case():
 
 
 def test_format_sustained_reads_the_compute_bound_cases_against_the_sustained_rate():
-    ceilings = {"read_bytes_per_s": 4e12, "matmul_flops_per_s": 800e12, "sustained_matmul_flops_per_s": 680e12,
+    measured = {"read_bytes_per_s": 4e12, "matmul_flops_per_s": 800e12, "sustained_matmul_flops_per_s": 680e12,
                 "sustained_sm_clock_mhz": {"first": 1980, "last": 1470}}
     small = {"T": 64, "flops": 1e9, "bytes": 1e10, "ours": {"ok": True, "tflops": 10.0}}  # bandwidth-bound
     large = {"T": 32768, "flops": 1.3e13, "bytes": 1.3e10, "ours": {"ok": True, "tflops": 578.0}}
-    text = bench.format_sustained({"ceilings": ceilings, "cases": [small, large]})
+    text = bench.format_sustained({"ceilings": measured, "cases": [small, large]})
     assert "680 TFLOP/s" in text and "1980 -> 1470 MHz" in text and "ceiling's 800" in text
     assert text.endswith("against it: T=32768 85.0%.")
-    assert bench.format_sustained({"ceilings": {**ceilings, "sustained_matmul_flops_per_s": None}, "cases": []}) == ""
+    assert bench.format_sustained({"ceilings": {**measured, "sustained_matmul_flops_per_s": None}, "cases": []}) == ""
 
 
 @gpu
@@ -256,7 +256,7 @@ def test_gpu_ws_gemm_matches_torch(M, N, K):
     c = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     wsgemm.launcher(a, b, c)()
     ref = torch.matmul(a, b.T)
-    assert float((c.float() - ref.float()).norm() / ref.float().norm()) < bench.GEMM_REL_L2_BAR
+    assert float((c.float() - ref.float()).norm() / ref.float().norm()) < ceilings.GEMM_REL_L2_BAR
 
 
 def test_sm_clock_sampler_says_nothing_without_a_gpu_and_never_fails():
