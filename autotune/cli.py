@@ -63,7 +63,7 @@ def cmd_tune(args) -> int:
                      retime=args.retime)
     best = tune(cases, cfg)
     for key, ms in best.items():
-        print(f"{key}: best {ms:.4f} ms")
+        print(f"{key}: leader {ms:.4f} ms")
     return 0
 
 

@@ -70,7 +70,8 @@ def _finished(study: optuna.Study) -> int:
 
 
 def tune(cases: list[Case], cfg: TuneConfig, log=_log) -> dict[str, float]:
-    """Tune every case to `cfg.trials` finished trials (or the time budget); returns best ms per case."""
+    """Tune every case to `cfg.trials` finished trials (or the time budget); returns per case the ms of
+    its leader, the variant `emit` would ship (NaN if none passed)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     fp = target.fingerprint()
     engine = db.connect(cfg.storage_url)
@@ -161,11 +162,9 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             study.tell(trial, state=TrialState.FAIL)
         db.record_trial(session, **row)
         done += 1
-        log(_progress(case, done, target_trials, v, row, study))
-    try:
-        return study.best_value
-    except ValueError:
-        return math.nan
+        log(_progress(case, done, target_trials, v, row, emit.current_best(session, fp.key, case)))
+    leader = emit.current_best(session, fp.key, case)
+    return leader.median_ms if leader is not None else math.nan
 
 
 def _floor_ms(case: Case, experts_touched: int, ceilings: dict | None) -> float | None:
@@ -231,14 +230,13 @@ def _row(run, name, fp, case, trial, v, digest, status, error) -> dict:
                 status=status, error=error)
 
 
-def _progress(case, done, total, v, row, study) -> str:
+def _progress(case, done, total, v, row, leader) -> str:
+    """One trial's line; `leader` is what emit would ship now (the study's own best may be a timing of
+    code the templates no longer render, or an older timing of a re-timed source)."""
     if row["status"] == "ok":
         sol = f" {100 * row['floor_ms'] / row['median_ms']:.0f}% SOL" if row.get("floor_ms") else ""
         what = f"{row['median_ms']:.4f} ms{sol} (err {row['global_rel_l2']:.1e})"
     else:
         what = f"{row['status']}: {(row['error'] or '?').splitlines()[-1][:120]}"
-    try:
-        best = f"best {study.best_value:.4f} ms"
-    except ValueError:
-        best = "no valid trial yet"
+    best = f"leader {leader.median_ms:.4f} ms" if leader is not None else "no valid trial yet"
     return f"[{case.key}] {done}/{total} {what} | {v.label} | {best}"
