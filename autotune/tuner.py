@@ -111,9 +111,9 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     # takes each source's latest timing: a leader re-timed alone on a slow card would lose to a
     # runner-up timed on a fast one.)
     n_retime = max(cfg.retime, AUTO_RETIME if challengers else 0)
-    retimes = [space.Variant.from_dict(t.params).as_dict() for t in emit.contenders(session, fp.key, case, n_retime)]
-    retime_digests = {render.variant_hash(space.Variant.from_dict(p)) for p in retimes}
-    queued = retimes + challengers
+    retimed = emit.contenders(session, fp.key, case, n_retime)
+    retime_digests = {t.source_hash for t in retimed}  # contenders' recorded hashes are today's
+    queued = [space.Variant.from_dict(t.params).as_dict() for t in retimed] + challengers
     # Points an earlier run queued and did not reach (its time budget ran out) are asked first: they
     # are owed work too, and must not take the places of this run's.
     waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
@@ -123,6 +123,7 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     first_done = done
     target_trials = trial_target(done, waiting + len(queued), cfg)
     log(f"[{case.key}] study {name}: {done} trials done, target {target_trials}")
+    leader = emit.current_best(session, fp.key, case)
     rejects = 0
     while done < target_trials and rejects < MAX_REJECTS_PER_TRIAL * target_trials:
         # Past the deadline a case still gets one trial: its leader re-timed on today's templates.
@@ -162,8 +163,8 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             study.tell(trial, state=TrialState.FAIL)
         db.record_trial(session, **row)
         done += 1
-        log(_progress(case, done, target_trials, v, row, emit.current_best(session, fp.key, case)))
-    leader = emit.current_best(session, fp.key, case)
+        leader = emit.current_best(session, fp.key, case)
+        log(_progress(case, done, target_trials, v, row, leader))
     return leader.median_ms if leader is not None else math.nan
 
 

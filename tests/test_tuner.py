@@ -2,6 +2,7 @@
 the database rows, `show`, the CLI, and trial isolation (a crashing or hanging variant)."""
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -189,23 +190,30 @@ def test_leader_probes_apply_each_assignment_once(tuned_db):
     assert probes == [probe.as_dict()]
 
 
+def _copy_of(url: str, tmp_path: Path) -> str:
+    """A tuned database to change freely (the module's fixture is shared by the other tests)."""
+    copy = tmp_path / "copy.sqlite3"
+    shutil.copy(url.removeprefix("sqlite:///"), copy)
+    return f"sqlite:///{copy}"
+
+
+def _last_run_ok(s: Session) -> list:
+    """The verified trials of the latest run."""
+    run = max(r.id for r in s.scalars(select(db.Run)))
+    return s.scalars(select(db.Trial).where(db.Trial.run_id == run, db.Trial.status == "ok")).all()
+
+
 def test_retime_times_the_contenders_again_and_their_latest_timing_counts(tuned_db, tmp_path):
     """--retime N re-measures each case's N fastest variants in the new run (no cached answer), and
     ranking then counts each source once, by that latest timing."""
-    import shutil
-
-    url, _, _ = tuned_db
-    copy = tmp_path / "retime.sqlite3"
-    shutil.copy(url.removeprefix("sqlite:///"), copy)
-    url = f"sqlite:///{copy}"
+    url = _copy_of(tuned_db[0], tmp_path)
     case, fp = CASES[1], target.fingerprint().key
     with Session(db.connect(url)) as s:
         before = sorted(t.source_hash for t in emit.contenders(s, fp, case, 2))
     assert before
     tune([case], TuneConfig(storage_url=url, more=0, isolate=False, reps=1, retime=2), log=lambda m: None)
     with Session(db.connect(url)) as s:
-        run = max(r.id for r in s.scalars(select(db.Run)))
-        again = s.scalars(select(db.Trial).where(db.Trial.run_id == run, db.Trial.status == "ok")).all()
+        again = _last_run_ok(s)
         assert sorted(t.source_hash for t in again) == before
         ranked = db.ranked_trials(s, fp, case.key)
         assert len({t.source_hash for t in ranked}) == len(ranked)
@@ -216,14 +224,9 @@ def test_retime_times_the_contenders_again_and_their_latest_timing_counts(tuned_
 def test_a_probed_case_has_its_leaders_retimed_beside_the_probe(tuned_db, tmp_path):
     """A run that measures a challenger (here a --probe) also re-times the case's leader and runner-up,
     so that they compare on one state of the GPU."""
-    import shutil
-
     from autotune import space, tuner
 
-    url, _, _ = tuned_db
-    copy = tmp_path / "probe.sqlite3"
-    shutil.copy(url.removeprefix("sqlite:///"), copy)
-    url = f"sqlite:///{copy}"
+    url = _copy_of(tuned_db[0], tmp_path)
     case, fp = CASES[1], target.fingerprint().key
     with Session(db.connect(url)) as s:
         leaders = emit.contenders(s, fp, case, tuner.AUTO_RETIME)
@@ -235,8 +238,7 @@ def test_a_probed_case_has_its_leaders_retimed_beside_the_probe(tuned_db, tmp_pa
         change = {"g1_group_m": next(g for g in (1, 4, 8, 16) if not measured(g))}
     tune([case], TuneConfig(storage_url=url, more=0, isolate=False, reps=1, probes=(change,)), log=lambda m: None)
     with Session(db.connect(url)) as s:
-        run = max(r.id for r in s.scalars(select(db.Run)))
-        timed = s.scalars(select(db.Trial).where(db.Trial.run_id == run, db.Trial.status == "ok")).all()
+        timed = _last_run_ok(s)
     assert len(timed) == len(leaders) + 1
     assert {t.source_hash for t in leaders} < {t.source_hash for t in timed}
     assert any(t.params["g1_group_m"] == change["g1_group_m"] for t in timed)
@@ -245,16 +247,11 @@ def test_a_probed_case_has_its_leaders_retimed_beside_the_probe(tuned_db, tmp_pa
 def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp_path):
     """A point left waiting in a study's queue (an earlier run's time budget ran out) is asked first;
     it is counted as owed work, so this run's own re-timings still all run."""
-    import shutil
-
     import optuna
 
     from autotune import tuner
 
-    url, _, _ = tuned_db
-    copy = tmp_path / "queue.sqlite3"
-    shutil.copy(url.removeprefix("sqlite:///"), copy)
-    url = f"sqlite:///{copy}"
+    url = _copy_of(tuned_db[0], tmp_path)
     case, fp = CASES[1], target.fingerprint()
     with Session(db.connect(url)) as s:
         leader = emit.current_best(s, fp.key, case)
@@ -264,8 +261,7 @@ def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp
     study = optuna.load_study(study_name=tuner.study_name(case, fp), storage=url)
     assert not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
     with Session(db.connect(url)) as s:
-        run = max(r.id for r in s.scalars(select(db.Run)))
-        again = s.scalars(select(db.Trial).where(db.Trial.run_id == run, db.Trial.status == "ok")).all()
+        again = _last_run_ok(s)
         assert [t.source_hash for t in again] == [leader.source_hash]
 
 
@@ -312,8 +308,6 @@ def test_committed_studies_accept_todays_space(tmp_path):
     """Optuna fixes each parameter's choices per study: today's space must ask every committed study
     for the same choices, or resuming it fails ("CategoricalDistribution does not support dynamic value
     space"). A new value belongs in a new parameter."""
-    import shutil
-
     import optuna
 
     from autotune import space
