@@ -29,9 +29,10 @@ def every_form_module() -> str:
                                       g2_sorted_out=True, half_tail=True),
                   dataclasses.replace(small_variant("fused", tma=True, persistent=True, block_m=128), g1_num_warps=8,
                                       g2_num_warps=8, g1_gluon=True, g2_gluon=True, half_tail=True),
-                  # Dynamic walks beside the static ones above.
+                  # Dynamic walks beside the static ones above, with half tails (GEMM2's longest launch).
                   dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
-                                      g2_num_warps=8, g1_gluon=True, g2_gluon=True, dynamic_walk=True)):
+                                      g2_num_warps=8, g1_gluon=True, g2_gluon=True, dynamic_walk=True,
+                                      half_tail=True)):
         rows.append(render.Row(2 ** len(rows), gluon))
     rows[-1] = render.Row(math.inf, rows[-1].v)
     return render.render_module(rows, "every form", ["a test module"])
@@ -48,6 +49,18 @@ def _ruff(path: Path) -> subprocess.CompletedProcess:
 def test_rendered_module_passes_ruff(tmp_path):
     path = tmp_path / "every_form.py"
     path.write_text(every_form_module())
+    result = _ruff(path)
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
+def test_gluon_half_dynamic_module_passes_ruff(tmp_path):
+    """GEMM2's Gluon launch with half tails and the dynamic walk and no sorted output (a branch the
+    every-form module, which has a sorted-output row, does not render) once made a 134-column line."""
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
+                            g2_num_warps=8, g1_gluon=True, g2_gluon=True, dynamic_walk=True, half_tail=True)
+    path = tmp_path / "half_dynamic.py"
+    path.write_text(render.render_variant(v))
     result = _ruff(path)
     assert result.returncode == 0, result.stdout
 
