@@ -111,7 +111,6 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         # Gluon GEMMs with half tails: a tile helper of the row count, and GEMM1's loader reorders the columns.
         g1_gluon_half=any(r.v.g1_gluon and r.v.half_tail for r in rows),
         g2_gluon_half=any(r.v.g2_gluon and r.v.half_tail for r in rows),
-        g2_prefetch=any(r.v.g2_prefetch for r in rows),
         gluon_dynamic=any(r.v.dynamic_walk and (r.v.g1_gluon or r.v.g2_gluon) for r in rows),
         any_gluon=gluon_gemm1 or gluon_gemm2,
         any_tma=any(r.v.g1_weight_tma or r.v.g2_weight_tma for r in rows),

@@ -57,8 +57,6 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
         constexprs["TOP_K"] = case.shape.k
     if "HALF_TAIL" in fn.arg_names:
         constexprs["HALF_TAIL"] = v.half_tail
-    if "PREFETCH" in fn.arg_names:
-        constexprs["PREFETCH"] = min(v.g2_prefetch, k) * case.shape.elem_bytes // 16 * 16 if v.pdl else 0
     if "WALK" in fn.arg_names:
         # The tail walk's first launch (full-height blocks) stands for the pair.
         constexprs["WALK"] = v.tail_walk and g["persistent"]
@@ -205,38 +203,22 @@ def gemm_reports(v: Variant, case: Case) -> list[KernelReport]:
     return [KernelReport(**r) for r in in_child_process("autotune.sm90:_compile_here", v.as_dict(), case.as_dict())]
 
 
-def gemm_ptx(v: Variant, case: Case, which: int) -> str:
-    """The PTX of GEMM `which` (1 or 2) of `v` for sm_90, as it would launch on `case`."""
-    return in_child_process("autotune.sm90:_ptx_here", v.as_dict(), case.as_dict(), which)
-
-
-def _compiled_gemms(v: Variant, case: Case, only: int | None = None):
-    """(which, kernel, compiled) for GEMM1 and GEMM2 of `v` (or GEMM `only`), in this (non-interpreted)
-    process."""
+def _compile_here(v: dict, case: dict) -> list[dict]:
+    v, case = Variant.from_dict(v), Case.from_dict(case)
     module = render.load_source(render.render_variant(v))
     kernels = (
         (1, (module._gemm1_gluon_gather_kernel if v.dispatch == "fused" else module._gemm1_gluon_kernel) if v.g1_gluon
          else module._GEMM1[(v.route, v.activation, v.g1_weight_tma, v.g1_persistent)]),
         (2, module._gemm2_gluon_kernel if v.g2_gluon else module._GEMM2[(v.direct, v.g2_weight_tma, v.g2_persistent)]),
     )
+    reports = []
     for which, fn in kernels:
-        if only not in (None, which):
-            continue
         g = v.gemm(which)
         if getattr(v, f"g{which}_gluon"):
-            yield which, fn, _compile_gluon(fn, module, case, v, which)
+            compiled = _compile_gluon(fn, module, case, v, which)
         else:
-            yield which, fn, compile_sm90(fn, *_signature(fn, case, v, which), num_warps=g["num_warps"],
-                                          num_stages=g["num_stages"])
-
-
-def _ptx_here(v: dict, case: dict, which: int) -> str:
-    return next(_compiled_gemms(Variant.from_dict(v), Case.from_dict(case), which))[2].asm["ptx"]
-
-
-def _compile_here(v: dict, case: dict) -> list[dict]:
-    reports = []
-    for _, fn, compiled in _compiled_gemms(Variant.from_dict(v), Case.from_dict(case)):
+            compiled = compile_sm90(fn, *_signature(fn, case, v, which), num_warps=g["num_warps"],
+                                    num_stages=g["num_stages"])
         ptx = compiled.asm["ptx"]
         registers, spill = _resource_usage(compiled.asm["cubin"])
         reports.append(KernelReport(

@@ -124,11 +124,6 @@ PARAMS: tuple[Param, ...] = (
           "differ in length (half tails, uneven experts) stay on neighbouring tiles and share them in L2, "
           "where the static walk (tiles p, p + SMs, ...) drifts apart", default=False,
           when=lambda v, case: v["g1_gluon"] or v["g2_gluon"]),
-    Param("g2_prefetch", (0, 256, 512, 1024, 2048),
-          "w2 columns (of I) of its first tile's rows a GEMM2 program asks L2 for before it waits on GEMM1: "
-          "under PDL, GEMM2 programs land on the SMs GEMM1's last tiles free, and the weights, which do not "
-          "depend on GEMM1, stream on the bandwidth that drain leaves idle (0: none)", cap="I", default=0,
-          when=lambda v, case: v["pdl"] and not (v["g2_gluon"] or v["tail_walk"])),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -169,7 +164,6 @@ class Variant:
     g1_tma_store: bool = False
     g2_sorted_out: bool = False
     dynamic_walk: bool = False
-    g2_prefetch: int = 0
 
     @property
     def route(self) -> str:
@@ -217,9 +211,7 @@ class Variant:
         g1_text = gluon(g1, " tma-store" if self.g1_tma_store else "") if self.g1_gluon else gemm(g1)
         g2_text = gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon else gemm(g2)
         dynamic = " dynamic-walk" if self.dynamic_walk else ""
-        prefetch = f" prefetch{self.g2_prefetch}" if self.g2_prefetch else ""
-        return (f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{prefetch}"
-                f"{dynamic}")
+        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
 
 
 def _next_pow2(n: int) -> int:
@@ -261,10 +253,6 @@ def violations(v: Variant, case: Case) -> list[str]:
         bad.append("dynamic_walk is how the Gluon GEMMs walk their tiles: it needs g1_gluon or g2_gluon")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
-    if v.g2_prefetch and not v.pdl:
-        bad.append("g2_prefetch runs while GEMM1 drains, which needs pdl (without it GEMM2 starts after GEMM1 ends)")
-    if v.g2_prefetch and (v.g2_gluon or v.tail_walk):
-        bad.append("g2_prefetch is a triton GEMM2's first tile: not with g2_gluon or tail_walk")
     smem = target.smem_bytes()
     fused_act = v.activation == "fused"
     gemms = (

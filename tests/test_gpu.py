@@ -78,11 +78,6 @@ VARIANTS = {
     "split/fused gluon g1 half dynamic, triton g2": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
                                                             True, True, True, False, half_tail=True, g1_gluon=True,
                                                             dynamic_walk=True),
-    # GEMM2 prefetching its first tile's weights before its wait on GEMM1 (by pointer, by TMA and persistent).
-    "fused/fused small pdl prefetch": Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 128, 128, 1, 4, 4, pdl=True,
-                                              g2_prefetch=512),
-    "split/fused tma persistent pdl prefetch": Variant("split", "fused", 64, 128, 64, 8, 4, 4, 128, 64, 8, 4, 4,
-                                                       True, True, True, True, pdl=True, g2_prefetch=2048),
 }
 
 
@@ -94,8 +89,6 @@ def seed16_weights():
 # Direct dispatch reads each expert once per slot: meant for tiny T, far too slow at T=4096.
 TINY_T_ONLY = {
     "direct/fused": Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4, direct=True),
-    "direct/fused pdl prefetch": Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 128, 128, 1, 4, 4, pdl=True, direct=True,
-                                         g2_prefetch=1024),
     "direct/split tma pdl": Variant("fused", "split", 16, 64, 64, 1, 4, 4, 64, 64, 1, 4, 4, True, True, pdl=True,
                                     direct=True),
 }

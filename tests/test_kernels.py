@@ -242,29 +242,3 @@ class TestEdgeCases:
             module.fused_experts(x, w13, w2, w, ids, out=torch.empty(3, 5, dtype=x.dtype, device=x.device))
         with pytest.raises(ValueError, match="meta"):
             module.fused_experts(x, w13.to("meta"), w2, w, ids)
-
-
-@pytest.mark.parametrize("persistent", [False, True])
-def test_gemm2_prefetch_variant_matches_reference(persistent):
-    """g2_prefetch only adds a hint before GEMM2's wait: the results are the reference's. (The
-    interpreter runs no PTX, so there the launcher passes no prefetch; the GPU tests run it.)"""
-    v = dataclasses.replace(small_variant("split" if persistent else "fused", tma=persistent, persistent=persistent,
-                                          pdl=True), g2_prefetch=256)
-    module = render.load_source(render.render_variant(v))
-    assert_matches(module, *inputs(T=37, H=80, I=40))
-
-
-def test_gemm2_prefetch_bytes_hold_the_bulk_prefetch_rules(monkeypatch):
-    """Bytes per w2 row: at most a row, in whole 16-byte units, and none where a row start is not
-    16-byte aligned (the instruction's rule) or under the interpreter."""
-    module = render.load_source(render.render_variant(dataclasses.replace(small_variant(pdl=True), g2_prefetch=256)))
-    w2 = torch.zeros(4, 64, 200, dtype=torch.float16)
-    monkeypatch.setattr(module, "_INTERPRETED", False)
-    assert module._prefetch_bytes(w2, 256) == 400  # the whole 200-column row
-    assert module._prefetch_bytes(w2, 100) == 192  # 200 bytes, rounded down to 16-byte units
-    assert module._prefetch_bytes(w2, 0) == 0
-    assert module._prefetch_bytes(w2[:, :, 1:], 64) == 0  # rows start 2 bytes off
-    assert module._prefetch_bytes(torch.zeros(4, 64, 203, dtype=torch.float16)[..., :200], 64) == 0  # odd row pitch
-    assert module._prefetch_bytes(w2.transpose(1, 2).contiguous().transpose(1, 2), 64) == 0  # columns strided
-    monkeypatch.setattr(module, "_INTERPRETED", True)
-    assert module._prefetch_bytes(w2, 256) == 0

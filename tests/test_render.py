@@ -34,10 +34,6 @@ def every_form_module() -> str:
                                       g2_num_warps=8, g1_gluon=True, g2_gluon=True, dynamic_walk=True,
                                       half_tail=True)):
         rows.append(render.Row(2 ** len(rows), gluon))
-    # GEMM2 prefetching its first tile's weights under PDL, one program per tile and persistent.
-    for prefetch in (dataclasses.replace(small_variant(pdl=True), g2_prefetch=256),
-                     dataclasses.replace(small_variant("split", tma=True, persistent=True, pdl=True), g2_prefetch=512)):
-        rows.append(render.Row(2 ** len(rows), prefetch))
     rows[-1] = render.Row(math.inf, rows[-1].v)
     return render.render_module(rows, "every form", ["a test module"])
 
@@ -105,6 +101,5 @@ def test_zipf_routing_is_skewed():
 def test_every_form_module_loads_with_each_rows_flags():
     """The variant table carries every flag its launcher reads (a missing field only fails at launch)."""
     module = render.load_source(every_form_module())
-    assert [row.dynamic_walk for row in module.VARIANTS][-4:-2] == [False, True]
-    assert [row.g2_prefetch for row in module.VARIANTS][-3:] == [0, 256, 512]
-    assert module.VARIANTS[-3].g1_gluon and module.VARIANTS[-3].g2_gluon
+    assert [row.dynamic_walk for row in module.VARIANTS][-2:] == [False, True]
+    assert module.VARIANTS[-1].g1_gluon and module.VARIANTS[-1].g2_gluon

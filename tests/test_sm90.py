@@ -132,20 +132,3 @@ def test_gluon_dynamic_walk_compiles(dispatch):
         dynamic = _gluon_report(v, case, which)
         assert 0 < dynamic.shared_bytes - static.shared_bytes <= 256
         assert dynamic.wgmma_shapes == static.wgmma_shapes
-
-
-@pytest.mark.parametrize("tma, persistent", [(False, False), (True, True)])
-def test_gemm2_prefetch_comes_before_the_wait(tma, persistent):
-    """g2_prefetch: one bulk L2 prefetch per weight row, issued before griddepcontrol.wait (after
-    it, it would hide nothing), and the main loop unchanged."""
-    case = Case(SEED16_SHAPE, 64)
-    v = dataclasses.replace(small_variant("split" if tma else "fused", tma=tma, persistent=persistent, bn=128, bk=64,
-                                          pdl=True), g2_prefetch=512)
-    assert not space.violations(v, case)
-    ptx = sm90.gemm_ptx(v, case, 2)
-    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1
-    assert ptx.index("cp.async.bulk.prefetch.L2.global") < ptx.index("griddepcontrol.wait")
-    plain = sm90.gemm_reports(dataclasses.replace(v, g2_prefetch=0), case)[1]
-    assert sm90.gemm_reports(v, case)[1].async_copies == plain.async_copies
-    assert any("needs pdl" in r for r in space.violations(dataclasses.replace(v, pdl=False), case))
-

@@ -146,17 +146,3 @@ def test_sampler_is_asked_only_what_can_take_effect():
             assert space.Variant.from_dict(trial.params) == v  # what a trial records rebuilds its variant
             study.tell(trial, 1.0)
         assert valid >= 50, (T, valid)
-
-
-def test_gemm2_prefetch_is_asked_only_under_pdl():
-    case = Case(SEED16_SHAPE, T=64)
-    when = space.PARAM_BY_NAME["g2_prefetch"].when
-    answers = {**small_variant().as_dict(), "pdl": True}
-    assert when(answers, case)
-    assert not when({**answers, "pdl": False}, case)
-    assert not when({**answers, "g2_gluon": True}, case)
-    v = dataclasses.replace(small_variant(pdl=True), g2_prefetch=512)
-    assert not space.violations(v, case) and "prefetch512" in v.label
-    assert any("needs pdl" in r for r in space.violations(dataclasses.replace(v, pdl=False), case))
-    # Capped by I: no value past one w2 row.
-    assert space.choices(space.PARAM_BY_NAME["g2_prefetch"], Case(Shape(8, 64, 300, 2, "float16"), 4))[-1] == 512
