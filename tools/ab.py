@@ -24,7 +24,7 @@ from autotune.reference import BAR, error_stats
 from autotune.runner import _CaseState
 from autotune.space import Variant
 from autotune.timing import kernel_breakdown, time_fn
-from autotune.workloads import SEED16_SHAPE, Case
+from autotune.workloads import SEED16_SHAPE, Case, suite
 
 
 def candidates(lead: Variant, case: Case, assignments: list[str]) -> list[tuple[str, Variant]]:
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
     rounds = int(os.environ.get("ROUNDS", 5))
     with Session(db.connect(db.GPU_URL)) as session:
         for T in tokens:
-            case = Case(SEED16_SHAPE, T)
+            case = suite(SEED16_SHAPE, [T])[0]  # the routing seed the tuner and the bench use
             best = emit.current_best(session, target.fingerprint().key, case)
             if best is None:
                 print(f"T={T}: no leader of today's templates in the database")
