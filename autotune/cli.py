@@ -153,8 +153,8 @@ def cmd_show(args) -> int:
                                                 f" (the committed GPU runs are in --db {db.GPU_URL})"))
             return 0
         for fp in fps:
-            print(f"== {fp}: per case, the fastest trial of the code the templates render today "
-                  "(what `emit` ships)")
+            print(f"== {fp}: per case, the leader (what `emit` ships: of the code the templates render today, "
+                  "and a challenger leads only by beating the leader in the same run)")
             fastest = sorted(db.best_trials(session, fp).values(), key=lambda t: (t.case["shape"]["E"], t.case["T"]))
             print(f"{'case':<52} {'ms':>9} {'%SOL':>6} {'err':>8}  variant")
             for raw in fastest:
@@ -234,8 +234,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", action="append", default=[], metavar="PARAM=VALUE[,...]",
                    help="also try each case's best variant with these parameters set, first (repeatable)")
     p.add_argument("--retime", type=int, default=0, metavar="N",
-                   help="first re-time each case's N fastest variants in this run, so that they compare on one "
-                   "state of the GPU; a variant's latest timing is the one that counts")
+                   help="first re-time each case's N best contenders (the leader first) in this run, so that "
+                   "challengers meet them on one state of the GPU (default: 2 whenever the run measures anything)")
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("emit", help="write the best variant per case as kernels_generated/<name>.py")

@@ -148,11 +148,17 @@ def _latest_per_source(trials) -> list[Trial]:
     return list(latest.values())
 
 
+def verified_trials(session: Session, fingerprint: str, case_key: str) -> list[Trial]:
+    """Every verified trial of one case on this fingerprint, in the order they were recorded."""
+    return list(session.scalars(
+        select(Trial).where(Trial.fingerprint == fingerprint, Trial.case_key == case_key, Trial.status == "ok")
+        .order_by(Trial.id)
+    ))
+
+
 def ranked_trials(session: Session, fingerprint: str, case_key: str) -> list[Trial]:
     """Verified trials of one case on this fingerprint, fastest first, each source by its latest timing."""
-    return sorted(_latest_per_source(session.scalars(
-        select(Trial).where(Trial.fingerprint == fingerprint, Trial.case_key == case_key, Trial.status == "ok")
-    )), key=lambda t: t.median_ms)
+    return sorted(_latest_per_source(verified_trials(session, fingerprint, case_key)), key=lambda t: t.median_ms)
 
 
 def best_trials(session: Session, fingerprint: str, case_keys: list[str] | None = None) -> dict[str, Trial]:

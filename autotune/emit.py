@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,25 +28,48 @@ def thresholds(tokens: list[int]) -> list[float]:
     return [math.floor(math.sqrt(a * b)) for a, b in zip(tokens, tokens[1:], strict=False)] + [math.inf]
 
 
-def contenders(session: Session, fingerprint: str, case: Case, n: int) -> list[db.Trial]:
-    """The n fastest verified trials whose measured source is what the templates render today.
+def _current(t: db.Trial) -> bool:
+    """Whether a trial measured the code the templates render today for its variant."""
+    return t.source_hash == render.variant_hash(Variant.from_dict(t.params))
 
-    A trial timed before a template change measured other code: it is skipped, never shipped on
-    the strength of another kernel's time (the tuner re-measures such leaders first).
+
+def leader(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
+    """The variant `emit` ships for `case`: king of the hill over the tuning runs, in order.
+
+    The first run's fastest trial leads. In each later run, a challenger takes the lead only by
+    beating the leader as timed in that same run (the tuner re-times the leader in every run that
+    measures challengers), so that two timings are never compared across states of the GPU, whose
+    clock moves runs apart by as much as the variants differ. A run that did not time the leader
+    compares with the leader's latest timing, the best it has. Trials of code the templates no
+    longer render are skipped: never shipped on the strength of another kernel's time.
     """
-    out = []
-    for t in db.ranked_trials(session, fingerprint, case.key):
-        if len(out) == n:
-            break
-        if t.source_hash == render.variant_hash(Variant.from_dict(t.params)):
-            out.append(t)
-    return out
+    runs: dict[int, dict[str, db.Trial]] = {}
+    for t in db.verified_trials(session, fingerprint, case.key):  # in id order: the latest per source wins
+        if _current(t):
+            runs.setdefault(t.run_id, {})[t.source_hash] = t
+    lead = None
+    for run_id in sorted(runs):
+        timed = runs[run_id]
+        fastest = min(timed.values(), key=lambda t: t.median_ms)
+        if lead is None or lead.source_hash in timed or fastest.median_ms < lead.median_ms:
+            lead = fastest
+    return lead
+
+
+def contenders(session: Session, fingerprint: str, case: Case, n: int) -> list[db.Trial]:
+    """The leader, then the fastest other verified trials of today's templates (each source by its
+    latest timing): n in all, the variants worth re-timing beside a challenger."""
+    lead = leader(session, fingerprint, case)
+    if lead is None or n < 1:
+        return []
+    rest = (t for t in db.ranked_trials(session, fingerprint, case.key)
+            if t.source_hash != lead.source_hash and _current(t))
+    return [lead, *itertools.islice(rest, n - 1)]
 
 
 def current_best(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
-    """The fastest verified trial of today's templates (see `contenders`)."""
-    best = contenders(session, fingerprint, case, 1)
-    return best[0] if best else None
+    """What `emit` ships for `case` (see `leader`)."""
+    return leader(session, fingerprint, case)
 
 
 def stale_leaders(session: Session, fingerprint: str, case: Case, n: int = 3) -> list[dict]:

@@ -6,6 +6,7 @@ variant of every case. Both go through `render_module`, so what is timed is what
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import math
@@ -132,8 +133,10 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
+@functools.cache
 def variant_hash(v: Variant) -> str:
-    """The hash a trial of `v` records when timed on today's templates."""
+    """The hash a trial of `v` records when timed on today's templates (cached: the templates do not
+    change under a running process)."""
     return source_hash(render_variant(v))
 
 

@@ -22,7 +22,7 @@ from .workloads import Case
 # Rejected points (cannot compile or exceed shared memory) are cheap; cap them so a narrow space
 # cannot spin the sampler forever.
 MAX_REJECTS_PER_TRIAL = 20
-# Contenders re-timed in any run that measures challengers for their case (see _tune_case).
+# Contenders re-timed in any run that measures anything else for their case (see _tune_case).
 AUTO_RETIME = 2
 
 
@@ -39,9 +39,8 @@ class TuneConfig:
     command: str = ""
     # Each case's leader is also tried with each of these assignments (e.g. {"g1_weight_tma": True}).
     probes: tuple[dict, ...] = ()
-    # Re-time each case's n fastest variants of today's templates in this run, so that they compare on
-    # one state of the GPU (its clock moves with load and temperature between runs); the latest timing
-    # of a source is the one ranking and emission use.
+    # Re-time each case's n best contenders (emit.contenders: the leader first) in this run, so that
+    # challengers meet them on one state of the GPU (its clock moves with load and temperature).
     retime: int = 0
 
 
@@ -106,22 +105,23 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     # with each parameter added since it was measured set to its other values, then --probe's points.
     challengers = (emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
                    + _leader_probes(session, fp, case, cfg.probes))
-    # Re-timings go first: --retime's, and at least the leader and its runner-up whenever challengers
-    # are measured, so that they are compared with leaders timed on the same state of the GPU. (Ranking
-    # takes each source's latest timing: a leader re-timed alone on a slow card would lose to a
-    # runner-up timed on a fast one.)
-    n_retime = max(cfg.retime, AUTO_RETIME if challengers else 0)
-    retimed = emit.contenders(session, fp.key, case, n_retime)
-    retime_digests = {t.source_hash for t in retimed}  # contenders' recorded hashes are today's
-    queued = [space.Variant.from_dict(t.params).as_dict() for t in retimed] + challengers
     # Points an earlier run queued and did not reach (its time budget ran out) are asked first: they
     # are owed work too, and must not take the places of this run's.
     waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    done = _finished(study)
+    # Re-timings go first: --retime's, and at least the leader and its runner-up whenever this run
+    # measures anything else for the case. A challenger takes the lead only by beating the leader as
+    # timed in its own run (emit.leader), so the leader must run in every run that has challengers.
+    # The re-timings run on top of what the run would do without them (even past --trials' total).
+    target_trials = trial_target(done, waiting + len(challengers), cfg)
+    n_retime = max(cfg.retime, AUTO_RETIME if target_trials > done else 0)
+    retimed = emit.contenders(session, fp.key, case, n_retime)
+    retime_digests = {t.source_hash for t in retimed}  # contenders' recorded hashes are today's
+    queued = [space.Variant.from_dict(t.params).as_dict() for t in retimed] + challengers
+    target_trials += len(retimed)
     for params in queued:
         study.enqueue_trial(params)
-    done = _finished(study)
     first_done = done
-    target_trials = trial_target(done, waiting + len(queued), cfg)
     log(f"[{case.key}] study {name}: {done} trials done, target {target_trials}")
     leader = emit.current_best(session, fp.key, case)
     rejects = 0
@@ -186,8 +186,8 @@ def trial_target(done: int, queued: int, cfg: TuneConfig) -> int:
 
 
 def _new_dimension_probes(session, fp, case) -> list[dict]:
-    """The case's leader (the fastest trial of today's templates) with each parameter it predates set
-    to that parameter's other values.
+    """The case's leader (what emit ships) with each parameter it predates set to that parameter's
+    other values.
 
     A new dimension otherwise waits for the sampler to stumble on it; probing it from the best known
     point answers "does it help here" in a trial or two. Probes already measured are skipped.
@@ -210,8 +210,8 @@ def _new_dimension_probes(session, fp, case) -> list[dict]:
 
 
 def _leader_probes(session, fp, case, assignments) -> list[dict]:
-    """The case's leader (the fastest trial of today's templates) with each of `assignments` applied,
-    where that point can run the case and today's code for it is unmeasured."""
+    """The case's leader (what emit ships) with each of `assignments` applied, where that point can
+    run the case and today's code for it is unmeasured."""
     leader = emit.current_best(session, fp.key, case)
     if leader is None or not assignments:
         return []
