@@ -235,7 +235,8 @@ def parser() -> argparse.ArgumentParser:
                    help="also try each case's best variant with these parameters set, first (repeatable)")
     p.add_argument("--retime", type=int, default=0, metavar="N",
                    help="first re-time each case's N best contenders (the leader first) in this run, so that "
-                   "challengers meet them on one state of the GPU (default: 2 whenever the run measures anything)")
+                   "challengers meet them on one state of the GPU (default: 2 whenever the run measures anything), "
+                   "and its N fastest variants whose code changed since they were timed (default 3)")
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("emit", help="write the best variant per case as kernels_generated/<name>.py")

@@ -72,7 +72,7 @@ def current_best(session: Session, fingerprint: str, case: Case) -> db.Trial | N
     return leader(session, fingerprint, case)
 
 
-def stale_leaders(session: Session, fingerprint: str, case: Case, n: int = 3) -> list[dict]:
+def stale_leaders(session: Session, fingerprint: str, case: Case, n: int) -> list[dict]:
     """Params of the n fastest trials whose code as rendered today was never timed: worth re-timing."""
     out = []
     for t in db.ranked_trials(session, fingerprint, case.key)[:n]:

@@ -22,6 +22,9 @@ from .workloads import Case
 # Rejected points (cannot compile or exceed shared memory) are cheap; cap them so a narrow space
 # cannot spin the sampler forever.
 MAX_REJECTS_PER_TRIAL = 20
+# Fastest variants whose code changed since they were timed, re-timed first in a resumed study (or
+# --retime's count, if larger).
+STALE_RETIME = 3
 # Contenders re-timed in any run that measures anything else for their case (see _tune_case).
 AUTO_RETIME = 2
 
@@ -40,7 +43,8 @@ class TuneConfig:
     # Each case's leader is also tried with each of these assignments (e.g. {"g1_weight_tma": True}).
     probes: tuple[dict, ...] = ()
     # Re-time each case's n best contenders (emit.contenders: the leader first) in this run, so that
-    # challengers meet them on one state of the GPU (its clock moves with load and temperature).
+    # challengers meet them on one state of the GPU (its clock moves with load and temperature); and
+    # as many of its fastest variants whose code changed since they were timed.
     retime: int = 0
 
 
@@ -103,7 +107,8 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             study.enqueue_trial(v.as_dict())
     # Leaders timed before the templates last changed (their new code is unmeasured), then the leader
     # with each parameter added since it was measured set to its other values, then --probe's points.
-    challengers = (emit.stale_leaders(session, fp.key, case) + _new_dimension_probes(session, fp, case)
+    challengers = (emit.stale_leaders(session, fp.key, case, max(STALE_RETIME, cfg.retime))
+                   + _new_dimension_probes(session, fp, case)
                    + _leader_probes(session, fp, case, cfg.probes))
     # Points an earlier run queued and did not reach (its time budget ran out) are asked first: they
     # are owed work too, and must not take the places of this run's.

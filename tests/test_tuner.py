@@ -135,7 +135,7 @@ def test_trials_of_older_templates_are_not_shipped(tuned_db):
                                source_hash="0" * 16, status="ok", median_ms=current.median_ms / 100)
         try:
             assert emit.current_best(s, target.fingerprint().key, case).id == current.id
-            assert emit.stale_leaders(s, target.fingerprint().key, case) == []  # today's code is measured
+            assert emit.stale_leaders(s, target.fingerprint().key, case, 3) == []  # today's code is measured
         finally:
             s.delete(fake)
             s.commit()
