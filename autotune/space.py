@@ -124,6 +124,12 @@ PARAMS: tuple[Param, ...] = (
           "differ in length (half tails, uneven experts) stay on neighbouring tiles and share them in L2, "
           "where the static walk (tiles p, p + SMs, ...) drifts apart", default=False,
           when=lambda v, case: v["g1_gluon"] or v["g2_gluon"]),
+    Param("pair_tail", (False, True),
+          "with half_tail, a triton GEMM runs an expert's last full block and its half tail in one program, "
+          "each weight stage loaded once for both rows sets, instead of two programs that each stream the "
+          "expert's weights (where experts get one block and a tail, the weights are read ~1.5 times)",
+          default=False, when=lambda v, case: v["half_tail"] and not v["tail_walk"]
+          and not (v["g1_gluon"] and v["g2_gluon"])),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -164,6 +170,7 @@ class Variant:
     g1_tma_store: bool = False
     g2_sorted_out: bool = False
     dynamic_walk: bool = False
+    pair_tail: bool = False
 
     @property
     def route(self) -> str:
@@ -203,7 +210,8 @@ class Variant:
                     f"{tma}{persistent}")
 
         pdl = " pdl" if self.pdl else ""
-        half = ("/half+walk" if self.tail_walk else "/half") if self.half_tail else ""
+        half = ("/half+walk" if self.tail_walk else "/half+pair" if self.pair_tail else "/half") if self.half_tail \
+            else ""
         # A Gluon GEMM is TMA-fed, persistent and a warpgroup per 64 rows by construction.
         def gluon(g, store=""):
             return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} s{g['num_stages']}{store}"
@@ -251,6 +259,9 @@ def violations(v: Variant, case: Case) -> list[str]:
         bad.append(f"g2_sorted_out writes y rows by TMA, which needs 16-byte rows; H={s.H} is not")
     if v.dynamic_walk and not (v.g1_gluon or v.g2_gluon):
         bad.append("dynamic_walk is how the Gluon GEMMs walk their tiles: it needs g1_gluon or g2_gluon")
+    if v.pair_tail and not (v.half_tail and not v.tail_walk and not (v.g1_gluon and v.g2_gluon)):
+        bad.append("pair_tail pairs a triton GEMM's half tails with the full block before them: it needs "
+                   "half_tail, no tail_walk, and a GEMM that is not Gluon")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()
@@ -266,7 +277,11 @@ def violations(v: Variant, case: Case) -> list[str]:
             bad.append(f"g{which}_block_k={g['BLOCK_K']} exceeds K={k}")
         if g["BLOCK_N"] > max(16, _next_pow2(n)):
             bad.append(f"g{which}_block_n={g['BLOCK_N']} exceeds N={n}")
-        need = _gemm_smem(v.block_m, g["BLOCK_N"], g["BLOCK_K"], g["num_stages"], b_tiles, s.elem_bytes)
+        # A pair tile stages its half tail's rows too. (Its accumulators are not counted below: the
+        # compiler fits 128 + 64 per thread, at 255 registers, without spilling.)
+        pair = v.pair_tail and not getattr(v, f"g{which}_gluon")
+        rows = v.block_m + v.block_m // 2 if pair else v.block_m
+        need = _gemm_smem(rows, g["BLOCK_N"], g["BLOCK_K"], g["num_stages"], b_tiles, s.elem_bytes)
         if need > smem:
             bad.append(f"GEMM{which} needs {need // 1024} KB shared memory > {smem // 1024} KB")
         acc = b_tiles * v.block_m * g["BLOCK_N"] // (32 * g["num_warps"])

@@ -150,8 +150,9 @@ def test_dispatch_walk_lists(form_modules, E, T, k, block_m):
 class TestEdgeCases:
     # The sorted dispatch, and the direct one that reads topk_ids in the GEMMs themselves.
     @pytest.fixture(params=[("fused", "fused", False, False), ("direct", "fused", False, False),
-                            ("split", "fused", True, True, True), ("split", "fused", True, True, True, True)],
-                    ids=["sorted", "direct", "half_tail", "tail_walk"])
+                            ("split", "fused", True, True, True), ("split", "fused", True, True, True, True),
+                            ("fused", "fused", False, False, True, False, True)],
+                    ids=["sorted", "direct", "half_tail", "tail_walk", "pair_tail"])
     def module(self, form_modules, request):
         return form_modules[request.param]
 

@@ -132,3 +132,19 @@ def test_gluon_dynamic_walk_compiles(dispatch):
         dynamic = _gluon_report(v, case, which)
         assert 0 < dynamic.shared_bytes - static.shared_bytes <= 256
         assert dynamic.wgmma_shapes == static.wgmma_shapes
+
+
+def test_pair_tiles_compile_without_spills():
+    """pair_tail at T=4096's shipped shape (128x128 joint gate/up tiles, 8 warps): the full block's
+    and the tail's accumulators (128 + 64 per thread) fit without spilling, in the shared memory the
+    space counts for a pair (the tail's rows staged beside the full block's)."""
+    case = Case(SEED16_SHAPE, 4096)
+    v = dataclasses.replace(small_variant("split", tma=True, half_tail=True, pair_tail=True, block_m=128, bn=128,
+                                          bk=64, group_m=1), g1_num_warps=8, g1_num_stages=4, g2_num_warps=8,
+                            g2_num_stages=3, pdl=True)
+    assert not space.violations(v, case)
+    for pair, plain in zip(sm90.gemm_reports(v, case), sm90.gemm_reports(dataclasses.replace(v, pair_tail=False), case),
+                           strict=True):
+        assert pair.spill_bytes in (0, None), pair
+        assert pair.shared_bytes > plain.shared_bytes and pair.shared_bytes <= 227 * 1024
+    assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), case))

@@ -146,3 +146,15 @@ def test_sampler_is_asked_only_what_can_take_effect():
             assert space.Variant.from_dict(trial.params) == v  # what a trial records rebuilds its variant
             study.tell(trial, 1.0)
         assert valid >= 50, (T, valid)
+
+
+def test_pair_tiles_are_asked_only_with_half_tails():
+    case = Case(SEED16_SHAPE, T=4096)
+    when = space.PARAM_BY_NAME["pair_tail"].when
+    answers = {**small_variant(half_tail=True).as_dict(), "g1_gluon": False, "g2_gluon": False}
+    assert when(answers, case)
+    assert not when({**answers, "half_tail": False}, case)
+    assert not when({**answers, "tail_walk": True}, case)
+    assert not when({**answers, "g1_gluon": True, "g2_gluon": True}, case)
+    v = small_variant(half_tail=True, pair_tail=True)
+    assert "/half+pair" in v.label and not space.violations(v, Case(Shape(8, 64, 48, 2, "float16"), 37))
