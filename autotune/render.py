@@ -91,7 +91,8 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     # Rendered only when a row uses them, so modules without them keep their source (and trial hashes).
     half_tail = any(r.v.half_tail for r in rows)
     tail_walk = any(r.v.tail_walk for r in rows)
-    pair_tail = any(r.v.pair_tail for r in rows)
+    g1_pair = any(r.v.g1_pair_tail for r in rows)
+    g2_pair = any(r.v.g2_pair_tail for r in rows)
     gluon_gemm1 = any(r.v.g1_gluon for r in rows)
     gluon_gemm1_gather = any(r.v.g1_gluon and r.v.dispatch == "fused" for r in rows)
     gluon_gemm2 = any(r.v.g2_gluon for r in rows)
@@ -100,12 +101,13 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         header=header,
         rows=[Row("float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens), r.v) for r in rows],
         gemm_keys=GEMM_KEYS,
-        # The pair tile (pair_tail) is a sorted form's: a direct form has no blocks to pair.
+        # The pair tile (g1_pair_tail, g2_pair_tail) is a sorted form's: a direct form has no blocks to pair.
         gemm1_forms=[{**_gemm1_form(*f), "half_tail": half_tail, "walk": tail_walk,
-                      "pair": pair_tail and f[0] != "direct"} for f in forms1],
-        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk, "pair": pair_tail and not f[0]}
+                      "pair": g1_pair and f[0] != "direct"} for f in forms1],
+        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk, "pair": g2_pair and not f[0]}
                      for f in forms2],
-        pair_tail=pair_tail,
+        g1_pair=g1_pair,
+        g2_pair=g2_pair,
         half_tail=half_tail,
         tail_walk=tail_walk,
         gluon_gemm1=gluon_gemm1,

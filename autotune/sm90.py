@@ -58,7 +58,7 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
     if "HALF_TAIL" in fn.arg_names:
         constexprs["HALF_TAIL"] = v.half_tail
     if "PAIR_TAIL" in fn.arg_names:
-        constexprs["PAIR_TAIL"] = v.pair_tail
+        constexprs["PAIR_TAIL"] = getattr(v, f"g{which}_pair_tail")
     if "WALK" in fn.arg_names:
         # The tail walk's first launch (full-height blocks) stands for the pair.
         constexprs["WALK"] = v.tail_walk and g["persistent"]

@@ -43,6 +43,12 @@ def _tail_walk_can_run(v: dict, case: Case) -> bool:
     return v["half_tail"] and (v["g1_persistent"] or v["g2_persistent"])
 
 
+def _pair_can_run(which: int) -> Callable[[dict, Case], bool]:
+    def can_run(v: dict, case: Case) -> bool:
+        return v["half_tail"] and not v["tail_walk"] and not v[f"g{which}_gluon"]
+    return can_run
+
+
 def _gluon_can_run(which: int) -> Callable[[dict, Case], bool]:
     def can_run(v: dict, case: Case) -> bool:
         g = f"g{which}_"
@@ -124,12 +130,13 @@ PARAMS: tuple[Param, ...] = (
           "differ in length (half tails, uneven experts) stay on neighbouring tiles and share them in L2, "
           "where the static walk (tiles p, p + SMs, ...) drifts apart", default=False,
           when=lambda v, case: v["g1_gluon"] or v["g2_gluon"]),
-    Param("pair_tail", (False, True),
-          "with half_tail, a triton GEMM runs an expert's last full block and its half tail in one program, "
-          "each weight stage loaded once for both rows sets, instead of two programs that each stream the "
-          "expert's weights (where experts get one block and a tail, the weights are read ~1.5 times)",
-          default=False, when=lambda v, case: v["half_tail"] and not v["tail_walk"]
-          and not (v["g1_gluon"] and v["g2_gluon"])),
+    Param("g1_pair_tail", (False, True),
+          "with half_tail, the triton GEMM1 runs an expert's last full block and its half tail in one "
+          "program, each weight stage loaded once for both row sets, instead of two programs that each "
+          "stream the expert's weights (where experts get one block and a tail, they are read ~1.5 times)",
+          default=False, when=_pair_can_run(1)),
+    Param("g2_pair_tail", (False, True), "the same pairing in the triton GEMM2", default=False,
+          when=_pair_can_run(2)),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -170,7 +177,8 @@ class Variant:
     g1_tma_store: bool = False
     g2_sorted_out: bool = False
     dynamic_walk: bool = False
-    pair_tail: bool = False
+    g1_pair_tail: bool = False
+    g2_pair_tail: bool = False
 
     @property
     def route(self) -> str:
@@ -203,21 +211,22 @@ class Variant:
     @property
     def label(self) -> str:
         g1, g2 = self.gemm(1), self.gemm(2)
-        def gemm(g):
+        def gemm(g, pair: bool):
             tma = " tma" if g["weight_tma"] else ""
             persistent = " persistent" if g["persistent"] else ""
             return (f"{g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}"
-                    f"{tma}{persistent}")
+                    f"{tma}{persistent}{' pair' if pair else ''}")
 
         pdl = " pdl" if self.pdl else ""
-        half = ("/half+walk" if self.tail_walk else "/half+pair" if self.pair_tail else "/half") if self.half_tail \
-            else ""
+        half = ("/half+walk" if self.tail_walk else "/half") if self.half_tail else ""
         # A Gluon GEMM is TMA-fed, persistent and a warpgroup per 64 rows by construction.
         def gluon(g, store=""):
             return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} s{g['num_stages']}{store}"
 
-        g1_text = gluon(g1, " tma-store" if self.g1_tma_store else "") if self.g1_gluon else gemm(g1)
-        g2_text = gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon else gemm(g2)
+        g1_text = (gluon(g1, " tma-store" if self.g1_tma_store else "") if self.g1_gluon
+                   else gemm(g1, self.g1_pair_tail))
+        g2_text = (gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon
+                   else gemm(g2, self.g2_pair_tail))
         dynamic = " dynamic-walk" if self.dynamic_walk else ""
         return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
 
@@ -259,9 +268,10 @@ def violations(v: Variant, case: Case) -> list[str]:
         bad.append(f"g2_sorted_out writes y rows by TMA, which needs 16-byte rows; H={s.H} is not")
     if v.dynamic_walk and not (v.g1_gluon or v.g2_gluon):
         bad.append("dynamic_walk is how the Gluon GEMMs walk their tiles: it needs g1_gluon or g2_gluon")
-    if v.pair_tail and not (v.half_tail and not v.tail_walk and not (v.g1_gluon and v.g2_gluon)):
-        bad.append("pair_tail pairs a triton GEMM's half tails with the full block before them: it needs "
-                   "half_tail, no tail_walk, and a GEMM that is not Gluon")
+    for which in (1, 2):
+        if getattr(v, f"g{which}_pair_tail") and not _pair_can_run(which)(v.as_dict(), case):
+            bad.append(f"g{which}_pair_tail pairs a triton GEMM's half tails with the full block before them: it "
+                       f"needs half_tail, no tail_walk, and g{which}_gluon off")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()
@@ -279,7 +289,7 @@ def violations(v: Variant, case: Case) -> list[str]:
             bad.append(f"g{which}_block_n={g['BLOCK_N']} exceeds N={n}")
         # A pair tile stages its half tail's rows too. (Its accumulators are not counted below: the
         # compiler fits 128 + 64 per thread, at 255 registers, without spilling.)
-        pair = v.pair_tail and not getattr(v, f"g{which}_gluon")
+        pair = getattr(v, f"g{which}_pair_tail")
         rows = v.block_m + v.block_m // 2 if pair else v.block_m
         need = _gemm_smem(rows, g["BLOCK_N"], g["BLOCK_K"], g["num_stages"], b_tiles, s.elem_bytes)
         if need > smem:

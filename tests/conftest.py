@@ -19,11 +19,13 @@ DTYPES = (torch.bfloat16,) if GPU else (torch.float16, torch.float32)
 
 def small_variant(dispatch="fused", activation="fused", tma=False, persistent=False, half_tail=False,
                   tail_walk=False, pair_tail=False, block_m=None, bn=32, bk=32, group_m=4, pdl=False) -> Variant:
+    """pair_tail pairs half tails in both GEMMs."""
     direct = dispatch == "direct"
     # A half-height tail tile needs 32-row blocks (half is the smallest dot); otherwise the smallest.
     block_m = block_m or (32 if half_tail else 16)
     return Variant("fused" if direct else dispatch, activation, block_m, bn, bk, group_m, 4, 2, bn, bk, group_m, 4, 2,
-                   tma, tma, persistent, persistent, pdl, direct, half_tail, tail_walk, pair_tail=pair_tail)
+                   tma, tma, persistent, persistent, pdl, direct, half_tail, tail_walk,
+                   g1_pair_tail=pair_tail, g2_pair_tail=pair_tail)
 
 
 # Every structural form: (dispatch, activation, TMA descriptors, persistent GEMMs[, half tails, tail walk,

@@ -80,9 +80,10 @@ VARIANTS = {
                                                             dynamic_walk=True),
     # Pair tiles: an expert's last full block and its half tail in one program (T=4096: ~half the experts).
     "split/fused tma half pair": Variant("split", "fused", 128, 128, 64, 1, 8, 4, 128, 64, 1, 8, 3, True, True,
-                                         pdl=True, half_tail=True, pair_tail=True),
+                                         pdl=True, half_tail=True, g1_pair_tail=True),
     "fused/fused half pair persistent": Variant("fused", "fused", 128, 64, 64, 8, 8, 3, 128, 64, 8, 8, 3,
-                                                False, True, False, True, half_tail=True, pair_tail=True),
+                                                False, True, False, True, half_tail=True, g1_pair_tail=True,
+                                                g2_pair_tail=True),
 }
 
 

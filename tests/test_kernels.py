@@ -243,3 +243,13 @@ class TestEdgeCases:
             module.fused_experts(x, w13, w2, w, ids, out=torch.empty(3, 5, dtype=x.dtype, device=x.device))
         with pytest.raises(ValueError, match="meta"):
             module.fused_experts(x, w13.to("meta"), w2, w, ids)
+
+
+@pytest.mark.parametrize("which", [1, 2])
+def test_one_gemm_pairs_its_tails(which):
+    """g1_pair_tail and g2_pair_tail are separate choices (a pair stages more rows per program, which can
+    cost one GEMM its second resident program): each alone matches the reference."""
+    v = dataclasses.replace(small_variant("split", tma=True, half_tail=True), **{f"g{which}_pair_tail": True})
+    module = render.load_source(render.render_variant(v))
+    assert [getattr(module.VARIANTS[0], f"g{w}_pair_tail", False) for w in (1, 2)] == [which == 1, which == 2]
+    assert_matches(module, *inputs(E=4, T=70, dtype=DTYPES[0]))

@@ -135,7 +135,7 @@ def test_gluon_dynamic_walk_compiles(dispatch):
 
 
 def test_pair_tiles_compile_without_spills():
-    """pair_tail at T=4096's shipped shape (128x128 joint gate/up tiles, 8 warps): the full block's
+    """Pair tiles at T=4096's shipped shape (128x128 joint gate/up tiles, 8 warps): the full block's
     and the tail's accumulators (128 + 64 per thread) fit without spilling, in the shared memory the
     space counts for a pair (the tail's rows staged beside the full block's)."""
     case = Case(SEED16_SHAPE, 4096)
@@ -143,8 +143,8 @@ def test_pair_tiles_compile_without_spills():
                                           bk=64, group_m=1), g1_num_warps=8, g1_num_stages=4, g2_num_warps=8,
                             g2_num_stages=3, pdl=True)
     assert not space.violations(v, case)
-    for pair, plain in zip(sm90.gemm_reports(v, case), sm90.gemm_reports(dataclasses.replace(v, pair_tail=False), case),
-                           strict=True):
+    unpaired = sm90.gemm_reports(dataclasses.replace(v, g1_pair_tail=False, g2_pair_tail=False), case)
+    for pair, plain in zip(sm90.gemm_reports(v, case), unpaired, strict=True):
         assert pair.spill_bytes in (0, None), pair
         assert pair.shared_bytes > plain.shared_bytes and pair.shared_bytes <= 227 * 1024
     assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), case))

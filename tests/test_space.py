@@ -150,11 +150,15 @@ def test_sampler_is_asked_only_what_can_take_effect():
 
 def test_pair_tiles_are_asked_only_with_half_tails():
     case = Case(SEED16_SHAPE, T=4096)
-    when = space.PARAM_BY_NAME["pair_tail"].when
     answers = {**small_variant(half_tail=True).as_dict(), "g1_gluon": False, "g2_gluon": False}
-    assert when(answers, case)
-    assert not when({**answers, "half_tail": False}, case)
-    assert not when({**answers, "tail_walk": True}, case)
-    assert not when({**answers, "g1_gluon": True, "g2_gluon": True}, case)
-    v = small_variant(half_tail=True, pair_tail=True)
-    assert "/half+pair" in v.label and not space.violations(v, Case(Shape(8, 64, 48, 2, "float16"), 37))
+    for which in (1, 2):
+        when = space.PARAM_BY_NAME[f"g{which}_pair_tail"].when
+        assert when(answers, case)
+        assert not when({**answers, "half_tail": False}, case)
+        assert not when({**answers, "tail_walk": True}, case)
+        assert not when({**answers, f"g{which}_gluon": True}, case)
+    v = dataclasses.replace(small_variant(half_tail=True), g1_pair_tail=True)
+    assert " s2 pair g2 " in v.label
+    small = Case(Shape(8, 64, 48, 2, "float16"), 37)
+    assert not space.violations(v, small)
+    assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), small))

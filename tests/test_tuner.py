@@ -362,27 +362,19 @@ def test_a_challenger_leads_only_by_beating_the_leader_in_its_own_run(tmp_path):
     fp, case = target.fingerprint(), CASES[0]
     a, b, c, d, e = (small_variant(bn=bn, bk=bk) for bn, bk in ((16, 16), (32, 16), (16, 32), (32, 32), (64, 16)))
     with Session(db.connect(f"sqlite:///{tmp_path / 'hill.sqlite3'}")) as s:
-        def leader():
+        def run(name, *timed):
+            r = db.start_run(s, fp, name, None)
+            for v, ms in timed:
+                _record(s, r, case, v, ms)
             return emit.leader(s, fp.key, case).params
 
-        first = db.start_run(s, fp, "run 1", None)
-        _record(s, first, case, a, 1.00)
-        _record(s, first, case, b, 1.02)
-        assert leader() == a.as_dict()
-        slow = db.start_run(s, fp, "run 2: a slower card", None)
-        _record(s, slow, case, a, 1.10)
-        _record(s, slow, case, c, 1.08)  # beats a where both ran
-        assert leader() == c.as_dict()
+        assert run("run 1", (a, 1.00), (b, 1.02)) == a.as_dict()
+        assert run("run 2: a slower card; c beats a where both ran", (a, 1.10), (c, 1.08)) == c.as_dict()
         assert db.ranked_trials(s, fp.key, case.key)[0].params == b.as_dict()  # the latest-timing ranking
-        third = db.start_run(s, fp, "run 3: the leader re-timed, a challenger slower beside it", None)
-        _record(s, third, case, c, 0.95)
-        _record(s, third, case, b, 0.97)
-        assert leader() == c.as_dict()
-        alone = db.start_run(s, fp, "run 4: challengers without the leader", None)
-        _record(s, alone, case, e, 0.96)
-        assert leader() == c.as_dict()  # 0.96 against the leader's latest 0.95
-        _record(s, alone, case, d, 0.94)
-        assert leader() == d.as_dict()
+        assert run("run 3: the leader re-timed, a challenger slower beside it", (c, 0.95), (b, 0.97)) == c.as_dict()
+        # Without the leader: set against its latest timing, 0.95.
+        assert run("run 4", (e, 0.96)) == c.as_dict()
+        assert run("run 5", (d, 0.94)) == d.as_dict()
         assert [t.params for t in emit.contenders(s, fp.key, case, 3)] == [d.as_dict(), c.as_dict(), e.as_dict()]
 
 
