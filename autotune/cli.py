@@ -158,7 +158,7 @@ def cmd_show(args) -> int:
             fastest = sorted(db.best_trials(session, fp).values(), key=lambda t: (t.case["shape"]["E"], t.case["T"]))
             print(f"{'case':<52} {'ms':>9} {'%SOL':>6} {'err':>8}  variant")
             for raw in fastest:
-                t = emit.current_best(session, fp, Case.from_dict(raw.case))
+                t = emit.leader(session, fp, Case.from_dict(raw.case))
                 if t is None:
                     print(f"{raw.case_key:<52} {'-':>9}  no trial of today's templates (re-tune to emit)")
                     continue
@@ -197,7 +197,7 @@ def cmd_sm90(args) -> int:
           f"{'cp.async':>8}  wgmma shape")
     with Session(db.connect(_url(args))) as session:
         for case in _cases(args, compile_only=True):
-            best = emit.current_best(session, fingerprint, case)
+            best = emit.leader(session, fingerprint, case)
             if best is None:
                 print(f"T={case.T:<10} no trial of today's templates on {fingerprint}")
                 continue

@@ -67,11 +67,6 @@ def contenders(session: Session, fingerprint: str, case: Case, n: int) -> list[d
     return [lead, *itertools.islice(rest, n - 1)]
 
 
-def current_best(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
-    """What `emit` ships for `case` (see `leader`)."""
-    return leader(session, fingerprint, case)
-
-
 def stale_leaders(session: Session, fingerprint: str, case: Case, n: int) -> list[dict]:
     """Params of the n fastest trials whose code as rendered today was never timed: worth re-timing."""
     out = []
@@ -86,7 +81,7 @@ def stale_leaders(session: Session, fingerprint: str, case: Case, n: int) -> lis
 def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None = None,
          out_dir: Path = OUT_DIR) -> Path:
     """Render the module of the best verified variant of each case measured on `fingerprint`."""
-    best = {c.key: t for c in cases if (t := current_best(session, fingerprint, c)) is not None}
+    best = {c.key: t for c in cases if (t := leader(session, fingerprint, c)) is not None}
     tuned = sorted((c for c in cases if c.key in best), key=lambda c: c.T)
     if not tuned:
         raise LookupError(f"no verified trial on {fingerprint} for any of the {len(cases)} cases; "

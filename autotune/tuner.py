@@ -128,7 +128,7 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
         study.enqueue_trial(params)
     first_done = done
     log(f"[{case.key}] study {name}: {done} trials done, target {target_trials}")
-    leader = emit.current_best(session, fp.key, case)
+    leader = emit.leader(session, fp.key, case)
     rejects = 0
     while done < target_trials and rejects < MAX_REJECTS_PER_TRIAL * target_trials:
         # Past the deadline a case still gets one trial: its leader re-timed on today's templates.
@@ -168,7 +168,7 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             study.tell(trial, state=TrialState.FAIL)
         db.record_trial(session, **row)
         done += 1
-        leader = emit.current_best(session, fp.key, case)
+        leader = emit.leader(session, fp.key, case)
         log(_progress(case, done, target_trials, v, row, leader))
     return leader.median_ms if leader is not None else math.nan
 
@@ -197,7 +197,7 @@ def _new_dimension_probes(session, fp, case) -> list[dict]:
     A new dimension otherwise waits for the sampler to stumble on it; probing it from the best known
     point answers "does it help here" in a trial or two. Probes already measured are skipped.
     """
-    leader = emit.current_best(session, fp.key, case)
+    leader = emit.leader(session, fp.key, case)
     if leader is None:
         return []
     probes = []
@@ -217,7 +217,7 @@ def _new_dimension_probes(session, fp, case) -> list[dict]:
 def _leader_probes(session, fp, case, assignments) -> list[dict]:
     """The case's leader (what emit ships) with each of `assignments` applied, where that point can
     run the case and today's code for it is unmeasured."""
-    leader = emit.current_best(session, fp.key, case)
+    leader = emit.leader(session, fp.key, case)
     if leader is None or not assignments:
         return []
     probes = []

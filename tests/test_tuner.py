@@ -129,12 +129,12 @@ def test_trials_of_older_templates_are_not_shipped(tuned_db):
     url, _, _ = tuned_db
     case = CASES[0]
     with Session(db.connect(url)) as s:
-        current = emit.current_best(s, target.fingerprint().key, case)
+        current = emit.leader(s, target.fingerprint().key, case)
         fake = db.record_trial(s, run_id=current.run_id, study=current.study, fingerprint=current.fingerprint,
                                case_key=case.key, case=case.as_dict(), params=current.params, label=current.label,
                                source_hash="0" * 16, status="ok", median_ms=current.median_ms / 100)
         try:
-            assert emit.current_best(s, target.fingerprint().key, case).id == current.id
+            assert emit.leader(s, target.fingerprint().key, case).id == current.id
             assert emit.stale_leaders(s, target.fingerprint().key, case, 3) == []  # today's code is measured
         finally:
             s.delete(fake)
@@ -148,7 +148,7 @@ def test_new_parameters_are_probed_from_the_leader(tuned_db):
     url, _, _ = tuned_db
     case = CASES[1]
     with Session(db.connect(url)) as s:
-        current = emit.current_best(s, target.fingerprint().key, case)
+        current = emit.leader(s, target.fingerprint().key, case)
         # A leader that predates `pdl`: a known-good point without it, faster than anything measured.
         # (Not the tuned leader: which parameters it holds at their defaults depends on timing.)
         old_params = {k: v for k, v in small_variant().as_dict().items() if k != "pdl"}
@@ -171,7 +171,7 @@ def test_leader_probes_apply_each_assignment_once(tuned_db):
     url, _, _ = tuned_db
     case = CASES[1]
     with Session(db.connect(url)) as s:
-        leader = emit.current_best(s, target.fingerprint().key, case)
+        leader = emit.leader(s, target.fingerprint().key, case)
         change = {f"g{i}_group_m": next(g for g in (1, 4, 8, 16) if g != leader.params[f"g{i}_group_m"])
                   for i in (1, 2)}
         probe = space.Variant.from_dict({**leader.params, **change})
@@ -256,7 +256,7 @@ def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp
     url = _copy_of(tuned_db[0], tmp_path)
     case, fp = CASES[1], target.fingerprint()
     with Session(db.connect(url)) as s:
-        leader = emit.current_best(s, fp.key, case)
+        leader = emit.leader(s, fp.key, case)
         contenders = sorted(t.source_hash for t in emit.contenders(s, fp.key, case, tuner.AUTO_RETIME))
     study = optuna.load_study(study_name=tuner.study_name(case, fp), storage=url)
     study.enqueue_trial(leader.params)  # measured before: answered from the database when asked

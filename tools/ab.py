@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
     with Session(db.connect(db.GPU_URL)) as session:
         for T in tokens:
             case = suite(SEED16_SHAPE, [T])[0]  # the routing seed the tuner and the bench use
-            best = emit.current_best(session, target.fingerprint().key, case)
+            best = emit.leader(session, target.fingerprint().key, case)
             if best is None:
                 print(f"T={T}: no leader of today's templates in the database")
                 continue
