@@ -36,23 +36,35 @@ def _current(t: db.Trial) -> bool:
 def leader(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
     """The variant `emit` ships for `case`: king of the hill over the tuning runs, in order.
 
-    The first run's fastest trial leads. In each later run, a challenger takes the lead only by
-    beating the leader as timed in that same run (the tuner re-times the leader in every run that
-    measures challengers), so that two timings are never compared across states of the GPU, whose
-    clock moves runs apart by as much as the variants differ. A run that did not time the leader
-    compares with the leader's latest timing, the best it has. Trials of code the templates no
-    longer render are skipped: never shipped on the strength of another kernel's time.
+    The first run's fastest trial leads. In each later run that timed the leader (the tuner re-times
+    it before and after a run's challengers), a challenger takes the lead only by beating the
+    leader's best timing in that run by more than the spread of its timings there: the same code
+    timed twice shows how far the card drifted, and a difference smaller than that is noise. So two
+    timings are never compared across states of the GPU, whose clock moves runs apart by as much as
+    the variants differ. A run that did not time the leader is set against the leader's latest
+    figure, the best it has. Trials of code the templates no longer render are skipped: never
+    shipped on the strength of another kernel's time.
     """
-    runs: dict[int, dict[str, db.Trial]] = {}
-    for t in db.verified_trials(session, fingerprint, case.key):  # in id order: the latest per source wins
+    runs: dict[int, dict[str, list[db.Trial]]] = {}
+    for t in db.verified_trials(session, fingerprint, case.key):
         if _current(t):
-            runs.setdefault(t.run_id, {})[t.source_hash] = t
+            runs.setdefault(t.run_id, {}).setdefault(t.source_hash, []).append(t)
     lead = None
     for run_id in sorted(runs):
-        timed = runs[run_id]
-        fastest = min(timed.values(), key=lambda t: t.median_ms)
-        if lead is None or lead.source_hash in timed or fastest.median_ms < lead.median_ms:
-            lead = fastest
+        best = {h: min(ts, key=lambda t: t.median_ms) for h, ts in runs[run_id].items()}
+        if lead is None:
+            lead = min(best.values(), key=lambda t: t.median_ms)
+            continue
+        challenger = min((t for h, t in best.items() if h != lead.source_hash), key=lambda t: t.median_ms,
+                         default=None)
+        own = runs[run_id].get(lead.source_hash)
+        if own:
+            spread = max(t.median_ms for t in own) - min(t.median_ms for t in own)
+            bar, lead = best[lead.source_hash].median_ms - spread, best[lead.source_hash]
+        else:
+            bar = lead.median_ms
+        if challenger is not None and challenger.median_ms < bar:
+            lead = challenger
     return lead
 
 

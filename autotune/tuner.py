@@ -6,6 +6,7 @@ another machine or Triton release is never reused silently: it lives in another 
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
 import time
@@ -119,11 +120,17 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     # timed in its own run (emit.leader), so the leader must run in every run that has challengers.
     # The re-timings run on top of what the run would do without them (even past --trials' total).
     target_trials = trial_target(done, waiting + len(challengers), cfg)
-    n_retime = max(cfg.retime, AUTO_RETIME if target_trials > done else 0)
+    challenged = target_trials > done
+    n_retime = max(cfg.retime, AUTO_RETIME if challenged else 0)
     retimed = emit.contenders(session, fp.key, case, n_retime)
-    retime_digests = {t.source_hash for t in retimed}  # contenders' recorded hashes are today's
+    # Measured again however often they were timed before (contenders' recorded hashes are today's).
+    retimes = collections.Counter(t.source_hash for t in retimed)
     queued = [space.Variant.from_dict(t.params).as_dict() for t in retimed] + challengers
     target_trials += len(retimed)
+    # With challengers, the leader is timed once more as the run's last trial: the spread of its two
+    # timings is the noise a challenger must beat it by (emit.leader).
+    closing = retimed[0] if challenged and retimed else None
+    target_trials += closing is not None
     for params in queued:
         study.enqueue_trial(params)
     first_done = done
@@ -135,6 +142,10 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
         if deadline is not None and time.monotonic() > deadline and done > first_done:
             log(f"[{case.key}] time budget reached after {done} trials")
             break
+        if closing is not None and done == target_trials - 1:
+            study.enqueue_trial(space.Variant.from_dict(closing.params).as_dict())
+            retimes[closing.source_hash] += 1
+            closing = None
         trial = study.ask()
         v = space.suggest(trial, case)
         why = space.violations(v, case)
@@ -145,8 +156,9 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             continue
         source = render.render_variant(v)
         digest = render.source_hash(source)
-        earlier = None if digest in retime_digests else db.cached_result(session, fp.key, case.key, digest)
-        retime_digests.discard(digest)
+        earlier = None if retimes[digest] else db.cached_result(session, fp.key, case.key, digest)
+        if retimes[digest]:
+            retimes[digest] -= 1
         if earlier is not None:
             # The same code on the same case and machine: reuse its measurement.
             study.tell(trial, earlier.median_ms if earlier.status == "ok" else None,

@@ -40,9 +40,9 @@ def test_tune_records_and_resumes(tuned_db):
         measured = s.scalars(select(db.Trial).where(db.Trial.status != "rejected")).all()
         by_case = {c.key: [t for t in measured if t.case_key == c.key] for c in CASES}
         # Two trials, then the resumed run's one missing trial (a repeated point is answered from the
-        # database, not re-run) with the leader and runner-up re-timed beside it.
+        # database, not re-run) with the leader and runner-up re-timed before it and the leader after.
         assert all(1 <= len([t for t in ts if t.run_id == runs[0].id]) <= 2 for ts in by_case.values())
-        assert all(len([t for t in ts if t.run_id == runs[1].id]) <= 3 for ts in by_case.values())
+        assert all(len([t for t in ts if t.run_id == runs[1].id]) <= 4 for ts in by_case.values())
         ok = [t for t in measured if t.status == "ok"]
         assert ok and all(t.median_ms > 0 and t.source_hash and t.global_rel_l2 < 8e-3 for t in ok)
         assert all(t.fingerprint == target.fingerprint().key for t in measured)
@@ -240,7 +240,7 @@ def test_a_probed_case_has_its_leaders_retimed_beside_the_probe(tuned_db, tmp_pa
     tune([case], TuneConfig(storage_url=url, more=0, isolate=False, reps=1, probes=(change,)), log=lambda m: None)
     with Session(db.connect(url)) as s:
         timed = _last_run_ok(s)
-    assert len(timed) == len(leaders) + 1
+    assert len(timed) == len(leaders) + 2  # the probe, and the leader timed again after it
     assert {t.source_hash for t in leaders} < {t.source_hash for t in timed}
     assert any(t.params["g1_group_m"] == change["g1_group_m"] for t in timed)
 
@@ -248,7 +248,7 @@ def test_a_probed_case_has_its_leaders_retimed_beside_the_probe(tuned_db, tmp_pa
 def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp_path):
     """A point left waiting in a study's queue (an earlier run's time budget ran out) is asked first;
     it is counted as owed work, so this run's own re-timings (the leader and runner-up, as the run
-    has a challenger) still all run."""
+    has a challenger, and the leader again last) still all run."""
     import optuna
 
     from autotune import tuner
@@ -264,8 +264,8 @@ def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp
     study = optuna.load_study(study_name=tuner.study_name(case, fp), storage=url)
     assert not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
     with Session(db.connect(url)) as s:
-        again = _last_run_ok(s)
-        assert sorted(t.source_hash for t in again) == contenders
+        again = [t.source_hash for t in _last_run_ok(s)]
+        assert sorted(set(again)) == contenders and again.count(leader.source_hash) == 2  # before and after
 
 
 def test_committed_module_is_what_the_committed_database_emits(tmp_path):
@@ -376,18 +376,26 @@ def test_a_challenger_leads_only_by_beating_the_leader_in_its_own_run(tmp_path):
         assert run("run 4", (e, 0.96)) == c.as_dict()
         assert run("run 5", (d, 0.94)) == d.as_dict()
         assert [t.params for t in emit.contenders(s, fp.key, case, 3)] == [d.as_dict(), c.as_dict(), e.as_dict()]
+        # The leader timed twice, 0.90 and 0.94: the card drifted by 0.04, so a challenger must beat
+        # 0.90 by more than that.
+        assert run("run 6: within the leader's spread", (d, 0.90), (a, 0.87), (d, 0.94)) == d.as_dict()
+        assert run("run 7: beyond it", (d, 0.90), (a, 0.85), (d, 0.94)) == a.as_dict()
 
 
 def test_a_search_run_times_the_leader_beside_its_challengers(tuned_db, tmp_path):
-    """`--more 1` samples one new point; the run also re-times the leader and its runner-up, so that
-    the new point can only take the lead by beating them in the same run."""
+    """`--more 1` samples one new point; the run also re-times the leader and its runner-up first and
+    the leader last, so that the new point can only take the lead by beating them in the same run, by
+    more than the leader's own drift."""
     from autotune import tuner
 
     url = _copy_of(tuned_db[0], tmp_path)
     case, fp = CASES[1], target.fingerprint().key
     with Session(db.connect(url)) as s:
         leaders = {t.source_hash for t in emit.contenders(s, fp, case, tuner.AUTO_RETIME)}
+        lead = emit.leader(s, fp, case).source_hash
     tune([case], TuneConfig(storage_url=url, more=1, isolate=False, reps=1), log=lambda m: None)
     with Session(db.connect(url)) as s:
-        timed = {t.source_hash for t in _last_run_ok(s)}
-    assert leaders <= timed
+        timed = [t.source_hash for t in sorted(_last_run_ok(s), key=lambda t: t.id)]
+    assert leaders <= set(timed)
+    # The leader again as the run's last trial: the spread of its two timings is the run's noise.
+    assert timed.count(lead) == 2 and timed[-1] == lead
