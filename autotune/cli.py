@@ -164,6 +164,10 @@ def cmd_show(args) -> int:
                     continue
                 sol = f"{100 * t.floor_ms / t.median_ms:5.1f}%" if t.floor_ms else "   n/a"
                 print(f"{t.case_key:<52} {t.median_ms:9.4f} {sol} {t.global_rel_l2:8.1e}  {t.label}")
+            if args.hill:
+                for raw in fastest:
+                    if args.case_key in (None, raw.case_key):
+                        _print_hill(emit.hill(session, fp, Case.from_dict(raw.case)), raw.case_key)
         if args.history:
             print(f"== last {args.history} trials" + (f" of {args.case_key}" if args.case_key else ""))
             for t in db.history(session, args.case_key, args.history):
@@ -171,6 +175,24 @@ def cmd_show(args) -> int:
                 print(f"#{t.id} run {t.run_id} {t.case_key} {ms} {t.label}"
                       + (f" | {t.error.splitlines()[-1][:100]}" if t.error else ""))
     return 0
+
+
+def _print_hill(steps, case_key: str) -> None:
+    """Each run's contest for one case: the leader as the run timed it, the best challenger, the outcome."""
+    print(f"== {case_key}: the leader run by run (a challenger must beat the leader's best timing in the "
+          "run by more than the spread of its timings there)")
+    for step in steps:
+        if step.bar_ms is None:
+            print(f"run {step.run_id:>3}: {step.leader.median_ms:.4f} ms leads (the first run) | {step.leader.label}")
+            continue
+        timed = (f"timed {step.leader_timings}x, spread {step.spread_ms:.4f}" if step.leader_timings
+                 else "not timed: its latest figure")
+        if step.challenger is None:
+            print(f"run {step.run_id:>3}: leader {step.leader.median_ms:.4f} ms ({timed}), no challenger")
+            continue
+        outcome = "takes the lead" if step.took_over else "holds"
+        print(f"run {step.run_id:>3}: bar {step.bar_ms:.4f} ms ({timed}); challenger {step.challenger.median_ms:.4f} "
+              f"ms: {outcome} | {step.challenger.label}")
 
 
 def cmd_space(args) -> int:
@@ -257,7 +279,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="best variant per case and trial history from the database")
     p.add_argument("--db", help="SQLAlchemy URL (default: sqlite file under db/)")
     p.add_argument("--history", type=int, default=0, help="also list the last N trials")
-    p.add_argument("--case-key", help="limit the history to one case key")
+    p.add_argument("--case-key", help="limit the history (and --hill) to one case key")
+    p.add_argument("--hill", action="store_true",
+                   help="also each case's leader run by run: the bar, the best challenger, the outcome")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("sm90", help="compile each case's shipped GEMMs for sm_90 here (no GPU needed): shared "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,8 +34,24 @@ def _current(t: db.Trial) -> bool:
     return t.source_hash == render.variant_hash(Variant.from_dict(t.params))
 
 
-def leader(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
-    """The variant `emit` ships for `case`: king of the hill over the tuning runs, in order.
+@dataclass(frozen=True)
+class HillStep:
+    """One run of a case's king-of-the-hill history (see `leader`)."""
+
+    run_id: int
+    leader: db.Trial  # the leader after this run
+    challenger: db.Trial | None  # the run's fastest trial of another source (None: the leader alone, or the first run)
+    bar_ms: float | None  # what a challenger had to beat (None in the first run)
+    leader_timings: int  # how often the run timed the incumbent (0: compared with its latest figure)
+    spread_ms: float  # the spread of those timings: the run's noise
+
+    @property
+    def took_over(self) -> bool:
+        return self.challenger is not None and self.leader is self.challenger
+
+
+def hill(session: Session, fingerprint: str, case: Case) -> list[HillStep]:
+    """The runs of `case` in order, each with the leader it left: king of the hill.
 
     The first run's fastest trial leads. In each later run that timed the leader (the tuner re-times
     it before and after a run's challengers), a challenger takes the lead only by beating the
@@ -49,23 +66,30 @@ def leader(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
     for t in db.verified_trials(session, fingerprint, case.key):
         if _current(t):
             runs.setdefault(t.run_id, {}).setdefault(t.source_hash, []).append(t)
-    lead = None
+    steps: list[HillStep] = []
     for run_id in sorted(runs):
         best = {h: min(ts, key=lambda t: t.median_ms) for h, ts in runs[run_id].items()}
-        if lead is None:
-            lead = min(best.values(), key=lambda t: t.median_ms)
+        if not steps:
+            steps.append(HillStep(run_id, min(best.values(), key=lambda t: t.median_ms), None, None, 0, 0.0))
             continue
+        lead = steps[-1].leader
         challenger = min((t for h, t in best.items() if h != lead.source_hash), key=lambda t: t.median_ms,
                          default=None)
-        own = runs[run_id].get(lead.source_hash)
+        own = [t.median_ms for t in runs[run_id].get(lead.source_hash, [])]
+        spread = max(own) - min(own) if own else 0.0
         if own:
-            spread = max(t.median_ms for t in own) - min(t.median_ms for t in own)
-            bar, lead = best[lead.source_hash].median_ms - spread, best[lead.source_hash]
-        else:
-            bar = lead.median_ms
+            lead = best[lead.source_hash]
+        bar = lead.median_ms - spread
         if challenger is not None and challenger.median_ms < bar:
             lead = challenger
-    return lead
+        steps.append(HillStep(run_id, lead, challenger, bar, len(own), spread))
+    return steps
+
+
+def leader(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
+    """The variant `emit` ships for `case`: the last leader of its `hill`."""
+    steps = hill(session, fingerprint, case)
+    return steps[-1].leader if steps else None
 
 
 def contenders(session: Session, fingerprint: str, case: Case, n: int) -> list[db.Trial]:

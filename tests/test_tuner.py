@@ -77,6 +77,10 @@ def test_cli_show_emit_check(tuned_db, tmp_path, capsys):
     assert cli.main(["show", "--db", url, "--history", "5"]) == 0
     shown = capsys.readouterr().out
     assert CASES[0].key in shown and "last 5 trials" in shown
+    # --hill: each run's contest for one case, the first run leading.
+    assert cli.main(["show", "--db", url, "--hill", "--case-key", CASES[0].key]) == 0
+    hill = capsys.readouterr().out.split(f"== {CASES[0].key}: the leader run by run")[1].splitlines()[1:]
+    assert len(hill) == 2 and "leads (the first run)" in hill[0] and hill[1].startswith("run "), hill
     assert cli.main(["emit", *args, "--name", "cli_tiny", "--out-dir", str(tmp_path)]) == 0
     path = capsys.readouterr().out.strip()
     assert path.endswith("cli_tiny.py")
