@@ -108,9 +108,10 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             study.enqueue_trial(v.as_dict())
     # Leaders timed before the templates last changed (their new code is unmeasured), then the leader
     # with each parameter added since it was measured set to its other values, then --probe's points.
+    leader = emit.leader(session, fp.key, case)
     challengers = (emit.stale_leaders(session, fp.key, case, max(STALE_RETIME, cfg.retime))
-                   + _new_dimension_probes(session, fp, case)
-                   + _leader_probes(session, fp, case, cfg.probes))
+                   + _new_dimension_probes(session, fp, case, leader)
+                   + _leader_probes(session, fp, case, leader, cfg.probes))
     # Points an earlier run queued and did not reach (its time budget ran out) are asked first: they
     # are owed work too, and must not take the places of this run's.
     waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
@@ -135,7 +136,6 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
         study.enqueue_trial(params)
     first_done = done
     log(f"[{case.key}] study {name}: {done} trials done, target {target_trials}")
-    leader = emit.leader(session, fp.key, case)
     rejects = 0
     while done < target_trials and rejects < MAX_REJECTS_PER_TRIAL * target_trials:
         # Past the deadline a case still gets one trial: its leader re-timed on today's templates.
@@ -202,14 +202,13 @@ def trial_target(done: int, queued: int, cfg: TuneConfig) -> int:
     return max(cfg.trials, done + queued)
 
 
-def _new_dimension_probes(session, fp, case) -> list[dict]:
-    """The case's leader (what emit ships) with each parameter it predates set to that parameter's
-    other values.
+def _new_dimension_probes(session, fp, case, leader) -> list[dict]:
+    """The case's leader (what emit ships, None if none) with each parameter it predates set to that
+    parameter's other values.
 
     A new dimension otherwise waits for the sampler to stumble on it; probing it from the best known
     point answers "does it help here" in a trial or two. Probes already measured are skipped.
     """
-    leader = emit.leader(session, fp.key, case)
     if leader is None:
         return []
     probes = []
@@ -226,10 +225,9 @@ def _new_dimension_probes(session, fp, case) -> list[dict]:
     return probes
 
 
-def _leader_probes(session, fp, case, assignments) -> list[dict]:
-    """The case's leader (what emit ships) with each of `assignments` applied, where that point can
-    run the case and today's code for it is unmeasured."""
-    leader = emit.leader(session, fp.key, case)
+def _leader_probes(session, fp, case, leader, assignments) -> list[dict]:
+    """The case's leader (what emit ships, None if none) with each of `assignments` applied, where
+    that point can run the case and today's code for it is unmeasured."""
     if leader is None or not assignments:
         return []
     probes = []

@@ -161,7 +161,8 @@ def test_new_parameters_are_probed_from_the_leader(tuned_db):
                                source_hash=render.variant_hash(space.Variant.from_dict(old_params)), status="ok",
                                median_ms=current.median_ms / 100)
         try:
-            probes = tuner._new_dimension_probes(s, target.fingerprint(), case)
+            probes = tuner._new_dimension_probes(s, target.fingerprint(), case,
+                                                 emit.leader(s, target.fingerprint().key, case))
             assert probes == [space.Variant.from_dict({**old_params, "pdl": True}).as_dict()]
         finally:
             s.delete(fake)
@@ -185,7 +186,8 @@ def test_leader_probes_apply_each_assignment_once(tuned_db):
                                 case_key=case.key, case=case.as_dict(), params=small_variant(bn=64).as_dict(),
                                 label="stale", source_hash="2" * 16, status="ok", median_ms=leader.median_ms / 100)
         try:
-            probes = tuner._leader_probes(s, target.fingerprint(), case, [
+            base = emit.leader(s, target.fingerprint().key, case)  # not the faster stale trial
+            probes = tuner._leader_probes(s, target.fingerprint(), case, base, [
                 change, change, {"block_m": leader.params["block_m"]},  # a repeat; the leader itself
                 {"g1_block_k": 256},  # exceeds the case's H: cannot run it
             ])
