@@ -93,8 +93,6 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     tail_walk = any(r.v.tail_walk for r in rows)
     g1_pair = any(r.v.g1_pair_tail for r in rows)
     g2_pair = any(r.v.g2_pair_tail for r in rows)
-    g1_tq = any(r.v.g1_three_quarter for r in rows)
-    g2_tq = any(r.v.g2_three_quarter for r in rows)
     gluon_gemm1 = any(r.v.g1_gluon for r in rows)
     gluon_gemm1_gather = any(r.v.g1_gluon and r.v.dispatch == "fused" for r in rows)
     gluon_gemm2 = any(r.v.g2_gluon for r in rows)
@@ -105,13 +103,11 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         gemm_keys=GEMM_KEYS,
         # The pair tile (g1_pair_tail, g2_pair_tail) is a sorted form's: a direct form has no blocks to pair.
         gemm1_forms=[{**_gemm1_form(*f), "half_tail": half_tail, "walk": tail_walk,
-                      "pair": g1_pair and f[0] != "direct", "tq": g1_tq and f[0] != "direct"} for f in forms1],
-        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk, "pair": g2_pair and not f[0],
-                      "tq": g2_tq and not f[0]} for f in forms2],
+                      "pair": g1_pair and f[0] != "direct"} for f in forms1],
+        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk, "pair": g2_pair and not f[0]}
+                     for f in forms2],
         g1_pair=g1_pair,
         g2_pair=g2_pair,
-        g1_tq=g1_tq,
-        g2_tq=g2_tq,
         half_tail=half_tail,
         tail_walk=tail_walk,
         gluon_gemm1=gluon_gemm1,

@@ -59,8 +59,6 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
         constexprs["HALF_TAIL"] = v.half_tail
     if "PAIR_TAIL" in fn.arg_names:
         constexprs["PAIR_TAIL"] = getattr(v, f"g{which}_pair_tail")
-    if "THREE_QUARTER" in fn.arg_names:
-        constexprs["THREE_QUARTER"] = getattr(v, f"g{which}_three_quarter")
     if "WALK" in fn.arg_names:
         # The tail walk's first launch (full-height blocks) stands for the pair.
         constexprs["WALK"] = v.tail_walk and g["persistent"]
@@ -80,9 +78,6 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
             # The half-height tail tiles' row box; the rows tensor itself when rows come by pointer.
             half = v.block_m // 2 if v.half_tail else v.block_m
             signature[arg] = f"tensordesc<{dt}[{half}, {g['BLOCK_K']}]>" if rows_tma else f"*{dt}"
-        elif arg in ("a_quarter_desc", "h_quarter_desc"):
-            quarter = v.block_m // 4 if getattr(v, f"g{which}_three_quarter") else v.block_m
-            signature[arg] = f"tensordesc<{dt}[{quarter}, {g['BLOCK_K']}]>" if rows_tma else f"*{dt}"
         elif arg.endswith("_ptr"):
             signature[arg] = ("*i32" if arg in _INDEX_POINTERS else "*fp32" if arg == "topk_weights_ptr"
                               else f"*{dt}")

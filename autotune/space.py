@@ -49,13 +49,6 @@ def _pair_can_run(which: int) -> Callable[[dict, Case], bool]:
     return can_run
 
 
-def _three_quarter_can_run(which: int) -> Callable[[dict, Case], bool]:
-    # A quarter of the block is a dot of at least 16 rows.
-    def can_run(v: dict, case: Case) -> bool:
-        return _pair_can_run(which)(v, case) and v["block_m"] >= 64
-    return can_run
-
-
 def _gluon_can_run(which: int) -> Callable[[dict, Case], bool]:
     def can_run(v: dict, case: Case) -> bool:
         g = f"g{which}_"
@@ -144,13 +137,6 @@ PARAMS: tuple[Param, ...] = (
           default=False, when=_pair_can_run(1)),
     Param("g2_pair_tail", (False, True), "the same pairing in the triton GEMM2", default=False,
           when=_pair_can_run(2)),
-    Param("g1_three_quarter", (False, True),
-          "with half_tail, the triton GEMM1 runs a block of more than block_m/2 and at most 3/4 block_m rows "
-          "(an expert's last) as a block_m/2-row and a block_m/4-row dot sharing each weight stage, instead of "
-          "one block_m-row dot over up to half padding (where experts get ~0.6 block of rows each)",
-          default=False, when=_three_quarter_can_run(1)),
-    Param("g2_three_quarter", (False, True), "the same split in the triton GEMM2", default=False,
-          when=_three_quarter_can_run(2)),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -193,8 +179,6 @@ class Variant:
     dynamic_walk: bool = False
     g1_pair_tail: bool = False
     g2_pair_tail: bool = False
-    g1_three_quarter: bool = False
-    g2_three_quarter: bool = False
 
     @property
     def route(self) -> str:
@@ -227,11 +211,11 @@ class Variant:
     @property
     def label(self) -> str:
         g1, g2 = self.gemm(1), self.gemm(2)
-        def gemm(g, pair: bool, three_quarter: bool):
+        def gemm(g, pair: bool):
             tma = " tma" if g["weight_tma"] else ""
             persistent = " persistent" if g["persistent"] else ""
             return (f"{g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}"
-                    f"{tma}{persistent}{' pair' if pair else ''}{' 3/4' if three_quarter else ''}")
+                    f"{tma}{persistent}{' pair' if pair else ''}")
 
         pdl = " pdl" if self.pdl else ""
         half = ("/half+walk" if self.tail_walk else "/half") if self.half_tail else ""
@@ -240,9 +224,9 @@ class Variant:
             return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} s{g['num_stages']}{store}"
 
         g1_text = (gluon(g1, " tma-store" if self.g1_tma_store else "") if self.g1_gluon
-                   else gemm(g1, self.g1_pair_tail, self.g1_three_quarter))
+                   else gemm(g1, self.g1_pair_tail))
         g2_text = (gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon
-                   else gemm(g2, self.g2_pair_tail, self.g2_three_quarter))
+                   else gemm(g2, self.g2_pair_tail))
         dynamic = " dynamic-walk" if self.dynamic_walk else ""
         return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
 
@@ -288,9 +272,6 @@ def violations(v: Variant, case: Case) -> list[str]:
         if getattr(v, f"g{which}_pair_tail") and not _pair_can_run(which)(v.as_dict(), case):
             bad.append(f"g{which}_pair_tail pairs a triton GEMM's half tails with the full block before them: it "
                        f"needs half_tail, no tail_walk, and g{which}_gluon off")
-        if getattr(v, f"g{which}_three_quarter") and not _three_quarter_can_run(which)(v.as_dict(), case):
-            bad.append(f"g{which}_three_quarter splits a triton GEMM's block into half- and quarter-height dots: it "
-                       f"needs half_tail, no tail_walk, g{which}_gluon off and block_m >= 64 (a quarter of 16 rows)")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()

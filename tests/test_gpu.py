@@ -84,9 +84,6 @@ VARIANTS = {
     "fused/fused half pair persistent": Variant("fused", "fused", 128, 64, 64, 8, 8, 3, 128, 64, 8, 8, 3,
                                                 False, True, False, True, half_tail=True, g1_pair_tail=True,
                                                 g2_pair_tail=True),
-    # Three-quarter blocks (T=2048: most experts' one block holds 65-96 rows): 64- and 32-row dots.
-    "fused/fused half 3/4": Variant("fused", "fused", 128, 128, 64, 1, 8, 4, 256, 64, 1, 8, 4, False, True, False, True,
-                                    half_tail=True, g1_three_quarter=True, g2_three_quarter=True),
 }
 
 

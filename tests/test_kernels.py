@@ -253,17 +253,3 @@ def test_one_gemm_pairs_its_tails(which):
     module = render.load_source(render.render_variant(v))
     assert [getattr(module.VARIANTS[0], f"g{w}_pair_tail", False) for w in (1, 2)] == [which == 1, which == 2]
     assert_matches(module, *inputs(E=4, T=70, dtype=DTYPES[0]))
-
-
-@pytest.mark.parametrize("form", [("fused", "fused", False, False), ("split", "fused", True, False),
-                                  ("fused", "split", True, True)])
-def test_three_quarter_blocks_split_into_half_and_quarter_dots(form):
-    """g1/g2_three_quarter: ~40 rows per expert in 64-row blocks, so most blocks hold 33-48 rows and run
-    as a 32-row and a 16-row dot sharing each weight stage; the rest run full or as half tiles. With
-    pair tiles as well (a full block's 33-48-row tail is not a half tail: it runs split)."""
-    v = dataclasses.replace(small_variant(*form, half_tail=True, block_m=64), g1_three_quarter=True,
-                            g2_three_quarter=True)
-    for variant in (v, dataclasses.replace(v, g1_pair_tail=True, g2_pair_tail=True)):
-        module = render.load_source(render.render_variant(variant))
-        for T in (80, 150):
-            assert_matches(module, *inputs(E=4, T=T, dtype=DTYPES[0]))

@@ -148,17 +148,3 @@ def test_pair_tiles_compile_without_spills():
         assert pair.spill_bytes in (0, None), pair
         assert pair.shared_bytes > plain.shared_bytes and pair.shared_bytes <= 227 * 1024
     assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), case))
-
-
-def test_three_quarter_blocks_compile_without_spills():
-    """The split block at T=2048's shipped shape (M128 half tails, 8 warps): a 64-row wgmma and a
-    32-row mma share each stage, in the same shared memory as the full tile, without spilling."""
-    case = Case(SEED16_SHAPE, 2048)
-    v = dataclasses.replace(small_variant("fused", half_tail=True, block_m=128, bn=128, bk=64, group_m=1),
-                            g1_num_warps=8, g1_num_stages=4, g2_block_n=256, g2_num_warps=8, g2_num_stages=4,
-                            g2_weight_tma=True, g2_persistent=True, g1_three_quarter=True, g2_three_quarter=True)
-    assert not space.violations(v, case)
-    plain = sm90.gemm_reports(dataclasses.replace(v, g1_three_quarter=False, g2_three_quarter=False), case)
-    for split, whole in zip(sm90.gemm_reports(v, case), plain, strict=True):
-        assert split.spill_bytes in (0, None), split
-        assert split.shared_bytes == whole.shared_bytes

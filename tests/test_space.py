@@ -162,13 +162,3 @@ def test_pair_tiles_are_asked_only_with_half_tails():
     small = Case(Shape(8, 64, 48, 2, "float16"), 37)
     assert not space.violations(v, small)
     assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), small))
-
-
-def test_three_quarter_blocks_need_a_quarter_of_16_rows():
-    small = Case(Shape(8, 64, 48, 2, "float16"), 37)
-    v = dataclasses.replace(small_variant(half_tail=True, block_m=64), g1_three_quarter=True)
-    assert not space.violations(v, small) and " s2 3/4 g2 " in v.label
-    assert any("block_m >= 64" in r for r in space.violations(dataclasses.replace(v, block_m=32), small))
-    answers = {**v.as_dict(), "g1_gluon": False, "g2_gluon": False}
-    assert space.PARAM_BY_NAME["g2_three_quarter"].when(answers, small)
-    assert not space.PARAM_BY_NAME["g2_three_quarter"].when({**answers, "block_m": 32}, small)
