@@ -63,7 +63,7 @@ class _CaseState:
             self.case = case
 
 
-def evaluate(state: _CaseState, case: Case, source: str, reps: int) -> Result:
+def evaluate(state: _CaseState, case: Case, source: str, reps: int, settle_ms: float = 0.0) -> Result:
     """Render-to-number for one variant: compile (first call), verify, then time."""
     try:
         state.prepare(case)
@@ -87,7 +87,8 @@ def evaluate(state: _CaseState, case: Case, source: str, reps: int) -> Result:
     x, w, ids = state.tokens
     out = torch.empty_like(x)
     try:
-        timing = time_fn(lambda: module.fused_experts(x, *state.weights, w, ids, out=out), reps=reps)
+        timing = time_fn(lambda: module.fused_experts(x, *state.weights, w, ids, out=out), reps=reps,
+                         settle_ms=settle_ms)
     except Exception as exc:
         return Result("runtime_error", _short(exc), compile_s, stats.__dict__)
     return Result("ok", None, compile_s, stats.__dict__, timing.as_dict(), state.experts_touched)
@@ -111,8 +112,8 @@ def _worker(conn) -> None:
 
             conn.send(measure_ceilings().as_dict())
             continue
-        case, source, reps = payload
-        result = evaluate(state, Case.from_dict(case), source, reps)
+        case, source, reps, settle_ms = payload
+        result = evaluate(state, Case.from_dict(case), source, reps, settle_ms)
         conn.send(result.__dict__)
         if result.error and any(m in result.error for m in _FATAL_MARKERS):
             return
@@ -121,8 +122,8 @@ def _worker(conn) -> None:
 class Runner:
     """Evaluates variants in a worker process (or in this one with isolate=False, for tests)."""
 
-    def __init__(self, isolate: bool = True, timeout_s: float = 900.0, reps: int = 20):
-        self.isolate, self.timeout_s, self.reps = isolate, timeout_s, reps
+    def __init__(self, isolate: bool = True, timeout_s: float = 900.0, reps: int = 20, settle_ms: float = 0.0):
+        self.isolate, self.timeout_s, self.reps, self.settle_ms = isolate, timeout_s, reps, settle_ms
         self._proc = self._conn = None
         self._state = None if isolate else _CaseState()
 
@@ -149,8 +150,8 @@ class Runner:
 
     def evaluate(self, case: Case, source: str) -> Result:
         if not self.isolate:
-            return evaluate(self._state, case, source, self.reps)
-        answer = self._ask(("evaluate", (case.as_dict(), source, self.reps)))
+            return evaluate(self._state, case, source, self.reps, self.settle_ms)
+        answer = self._ask(("evaluate", (case.as_dict(), source, self.reps, self.settle_ms)))
         if answer == "timeout":
             return Result("timeout", f"no answer within {self.timeout_s:.0f} s; worker killed")
         if answer is None:

@@ -3,10 +3,17 @@
 On the GPU, `inner` calls are captured in one CUDA graph and each replay is timed with device
 events, so launch gaps between the pipeline's kernels do not hide (or inflate) kernel time; the
 result is the per-call median over `reps` replays. Under the interpreter, wall-clock time.
+
+`settle_ms` first runs the call for that long, untimed. Under sustained load the H200 holds its
+700 W cap by lowering the SM clock (1980 -> ~1500 MHz within a few hundred ms of tensor work, NOTES
+21), so without it a long call's timing depends on how long the card rested before it; the tuner
+settles every trial so that its contenders are timed in one state, the state a sustained prefill
+runs in.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import subprocess
 import time
@@ -16,6 +23,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import target
+
+# The tuner's settle: past the power cap's onset on the H200 (NOTES 21: the clock falls within the
+# first ~100 ms of back-to-back tensor work); every trial pays it in device time.
+SETTLE_MS = 400.0
 
 
 @dataclass(frozen=True)
@@ -53,8 +64,10 @@ def _inner_count(single_ms: float, target_ms: float = 2.0, cap: int = 32) -> int
     return max(1, min(cap, int(target_ms / max(single_ms, 1e-3))))
 
 
-def time_fn(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3, graph: bool = True) -> Timing:
-    """Median time of one `fn()` call. `fn` must not synchronise the host when `graph` is set."""
+def time_fn(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3, graph: bool = True,
+            settle_ms: float = 0.0) -> Timing:
+    """Median time of one `fn()` call, after `settle_ms` of untimed calls (GPU only). `fn` must not
+    synchronise the host when `graph` is set."""
     if not target.has_gpu():
         for _ in range(warmup):
             fn()
@@ -76,7 +89,8 @@ def time_fn(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3, graph:
     fn()
     end.record()
     end.synchronize()
-    inner = _inner_count(start.elapsed_time(end))
+    single_ms = start.elapsed_time(end)
+    inner = _inner_count(single_ms)
 
     if graph:
         g = torch.cuda.CUDAGraph()
@@ -91,6 +105,10 @@ def time_fn(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3, graph:
                 fn()
         run()
         method = "cuda-events"
+    if settle_ms > 0:
+        for _ in range(math.ceil(settle_ms / max(inner * single_ms, 1e-3))):
+            run()
+        method += f", settled {settle_ms:.0f} ms"
     torch.cuda.synchronize()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for a, b in pairs:

@@ -16,7 +16,7 @@ import optuna
 from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
-from . import db, emit, render, space, target
+from . import db, emit, render, space, target, timing
 from .runner import Runner
 from .workloads import Case
 
@@ -39,6 +39,8 @@ class TuneConfig:
     seed: int = 0
     isolate: bool = True
     reps: int = 20
+    # Untimed load before each trial's timing (timing.time_fn): contenders timed in one card state.
+    settle_ms: float = timing.SETTLE_MS
     timeout_s: float = 900.0
     command: str = ""
     # Each case's leader is also tried with each of these assignments (e.g. {"g1_weight_tma": True}).
@@ -81,7 +83,7 @@ def tune(cases: list[Case], cfg: TuneConfig, log=_log) -> dict[str, float]:
     engine = db.connect(cfg.storage_url)
     deadline = None if cfg.time_budget_s is None else time.monotonic() + cfg.time_budget_s
     best: dict[str, float] = {}
-    with Session(engine) as session, Runner(cfg.isolate, cfg.timeout_s, cfg.reps) as runner:
+    with Session(engine) as session, Runner(cfg.isolate, cfg.timeout_s, cfg.reps, cfg.settle_ms) as runner:
         ceilings = runner.ceilings()
         run = db.start_run(session, fp, cfg.command, ceilings)
         log(f"run {run.id} on {fp.gpu} ({fp.key}); storage {cfg.storage_url}")

@@ -147,3 +147,24 @@ def test_cuda_graph_capture(name):
         g.replay()
         torch.cuda.synchronize()
         assert not error_stats(out, reference).failures(BAR)
+
+
+def test_settle_runs_the_call_before_its_timing():
+    """time_fn's settle runs `fn` for about settle_ms before the timed calls, and says so."""
+    from autotune.timing import time_fn
+
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    calls = []
+
+    def fn():
+        torch.matmul(a, a, out=out)
+        calls.append(1)
+
+    plain = time_fn(fn, reps=3, graph=False)
+    plain_calls = len(calls)
+    calls.clear()
+    settled = time_fn(fn, reps=3, graph=False, settle_ms=50)
+    # A 2048^3 matmul takes ~25 us: 50 ms of settle is hundreds of calls more.
+    assert plain.method == "cuda-events" and settled.method == "cuda-events, settled 50 ms"
+    assert len(calls) > plain_calls + 100

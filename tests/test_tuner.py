@@ -405,3 +405,16 @@ def test_a_search_run_times_the_leader_beside_its_challengers(tuned_db, tmp_path
     assert leaders <= set(timed)
     # The leader again as the run's last trial: the spread of its two timings is the run's noise.
     assert timed.count(lead) == 2 and timed[-1] == lead
+
+
+def test_trials_are_timed_after_the_tuners_settle(monkeypatch):
+    """Every trial's timing asks time_fn for the configured settle (the runner's, in its worker too),
+    and a tuning run's default is timing.SETTLE_MS."""
+    from autotune import runner, timing
+
+    asked = []
+    real = runner.time_fn
+    monkeypatch.setattr(runner, "time_fn", lambda fn, **kw: asked.append(kw["settle_ms"]) or real(fn, **kw))
+    result = Runner(isolate=False, reps=1, settle_ms=123.0).evaluate(CASES[1], render.render_variant(small_variant()))
+    assert result.status == "ok" and asked == [123.0]
+    assert TuneConfig(storage_url="sqlite://").settle_ms == timing.SETTLE_MS > 0
