@@ -130,9 +130,10 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     retimes = collections.Counter(t.source_hash for t in retimed)
     queued = [space.Variant.from_dict(t.params).as_dict() for t in retimed] + challengers
     target_trials += len(retimed)
-    # With challengers, the leader is timed once more as the run's last trial: the spread of its two
-    # timings is the noise a challenger must beat it by (emit.leader).
-    closing = retimed[0] if challenged and retimed else None
+    # With challengers (new points, or the other re-timed contenders), the leader is timed once more as
+    # the run's last trial: the spread of its two timings is the noise a challenger must beat it by
+    # (emit.leader).
+    closing = retimed[0] if retimed and (challenged or len(retimed) > 1) else None
     target_trials += closing is not None
     for params in queued:
         study.enqueue_trial(params)
