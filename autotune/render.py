@@ -93,6 +93,8 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     tail_walk = any(r.v.tail_walk for r in rows)
     g1_pair = any(r.v.g1_pair_tail for r in rows)
     g2_pair = any(r.v.g2_pair_tail for r in rows)
+    g1_swap = any(r.v.g1_swap_tail for r in rows)
+    g2_swap = any(r.v.g2_swap_tail for r in rows)
     gluon_gemm1 = any(r.v.g1_gluon for r in rows)
     gluon_gemm1_gather = any(r.v.g1_gluon and r.v.dispatch == "fused" for r in rows)
     gluon_gemm2 = any(r.v.g2_gluon for r in rows)
@@ -103,11 +105,13 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         gemm_keys=GEMM_KEYS,
         # The pair tile (g1_pair_tail, g2_pair_tail) is a sorted form's: a direct form has no blocks to pair.
         gemm1_forms=[{**_gemm1_form(*f), "half_tail": half_tail, "walk": tail_walk,
-                      "pair": g1_pair and f[0] != "direct"} for f in forms1],
-        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk, "pair": g2_pair and not f[0]}
-                     for f in forms2],
+                      "pair": g1_pair and f[0] != "direct", "swap": g1_swap and f[0] != "direct"} for f in forms1],
+        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk, "pair": g2_pair and not f[0],
+                      "swap": g2_swap and not f[0]} for f in forms2],
         g1_pair=g1_pair,
         g2_pair=g2_pair,
+        g1_swap=g1_swap,
+        g2_swap=g2_swap,
         half_tail=half_tail,
         tail_walk=tail_walk,
         gluon_gemm1=gluon_gemm1,

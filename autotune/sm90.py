@@ -59,6 +59,8 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
         constexprs["HALF_TAIL"] = v.half_tail
     if "PAIR_TAIL" in fn.arg_names:
         constexprs["PAIR_TAIL"] = getattr(v, f"g{which}_pair_tail")
+    if "SWAP_TAIL" in fn.arg_names:
+        constexprs["SWAP_TAIL"] = getattr(v, f"g{which}_swap_tail")
     if "WALK" in fn.arg_names:
         # The tail walk's first launch (full-height blocks) stands for the pair.
         constexprs["WALK"] = v.tail_walk and g["persistent"]
@@ -78,6 +80,10 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
             # The half-height tail tiles' row box; the rows tensor itself when rows come by pointer.
             half = v.block_m // 2 if v.half_tail else v.block_m
             signature[arg] = f"tensordesc<{dt}[{half}, {g['BLOCK_K']}]>" if rows_tma else f"*{dt}"
+        elif arg in ("a_swap_desc", "h_swap_desc"):
+            # A swapped tail's row box (the launcher's stand-in box where the variant swaps none).
+            swap = getattr(v, f"g{which}_swap_tail") or v.block_m
+            signature[arg] = f"tensordesc<{dt}[{swap}, {g['BLOCK_K']}]>" if rows_tma else f"*{dt}"
         elif arg.endswith("_ptr"):
             signature[arg] = ("*i32" if arg in _INDEX_POINTERS else "*fp32" if arg == "topk_weights_ptr"
                               else f"*{dt}")

@@ -49,6 +49,13 @@ def _pair_can_run(which: int) -> Callable[[dict, Case], bool]:
     return can_run
 
 
+def _swap_can_run(which: int) -> Callable[[dict, Case], bool]:
+    # The swapped tail is a narrower dot than the half tail's BLOCK_M / 2 rows.
+    def can_run(v: dict, case: Case) -> bool:
+        return _pair_can_run(which)(v, case) and v[f"g{which}_pair_tail"] and v["block_m"] >= 64
+    return can_run
+
+
 def _gluon_can_run(which: int) -> Callable[[dict, Case], bool]:
     def can_run(v: dict, case: Case) -> bool:
         g = f"g{which}_"
@@ -137,6 +144,14 @@ PARAMS: tuple[Param, ...] = (
           default=False, when=_pair_can_run(1)),
     Param("g2_pair_tail", (False, True), "the same pairing in the triton GEMM2", default=False,
           when=_pair_can_run(2)),
+    Param("g1_swap_tail", (0, 16, 32),
+          "with g1_pair_tail, a paired tail of at most this many rows is the narrow side of a swapped dot "
+          "(the stage's weight rows x the tail's rows, a wgmma N of 16 or 32) instead of a block_m/2-row dot "
+          "mostly over padding: where experts get one full block and a few rows more (T=4096: 128 +- 11), "
+          "the tails' padded rows, ~15% of the GEMM's rows, fall away (0: off)",
+          default=0, when=_swap_can_run(1)),
+    Param("g2_swap_tail", (0, 16, 32), "the same swapped tail in the triton GEMM2 (with g2_pair_tail)", default=0,
+          when=_swap_can_run(2)),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -179,6 +194,8 @@ class Variant:
     dynamic_walk: bool = False
     g1_pair_tail: bool = False
     g2_pair_tail: bool = False
+    g1_swap_tail: int = 0
+    g2_swap_tail: int = 0
 
     @property
     def route(self) -> str:
@@ -211,11 +228,11 @@ class Variant:
     @property
     def label(self) -> str:
         g1, g2 = self.gemm(1), self.gemm(2)
-        def gemm(g, pair: bool):
+        def gemm(g, pair: bool, swap: int):
             tma = " tma" if g["weight_tma"] else ""
             persistent = " persistent" if g["persistent"] else ""
             return (f"{g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}"
-                    f"{tma}{persistent}{' pair' if pair else ''}")
+                    f"{tma}{persistent}{' pair' if pair else ''}{f' swap{swap}' if swap else ''}")
 
         pdl = " pdl" if self.pdl else ""
         half = ("/half+walk" if self.tail_walk else "/half") if self.half_tail else ""
@@ -224,9 +241,9 @@ class Variant:
             return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} s{g['num_stages']}{store}"
 
         g1_text = (gluon(g1, " tma-store" if self.g1_tma_store else "") if self.g1_gluon
-                   else gemm(g1, self.g1_pair_tail))
+                   else gemm(g1, self.g1_pair_tail, self.g1_swap_tail))
         g2_text = (gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon
-                   else gemm(g2, self.g2_pair_tail))
+                   else gemm(g2, self.g2_pair_tail, self.g2_swap_tail))
         dynamic = " dynamic-walk" if self.dynamic_walk else ""
         return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
 
@@ -272,6 +289,9 @@ def violations(v: Variant, case: Case) -> list[str]:
         if getattr(v, f"g{which}_pair_tail") and not _pair_can_run(which)(v.as_dict(), case):
             bad.append(f"g{which}_pair_tail pairs a triton GEMM's half tails with the full block before them: it "
                        f"needs half_tail, no tail_walk, and g{which}_gluon off")
+        if getattr(v, f"g{which}_swap_tail") and not _swap_can_run(which)(v.as_dict(), case):
+            bad.append(f"g{which}_swap_tail runs a paired tail as a swapped dot narrower than block_m/2 rows: it "
+                       f"needs g{which}_pair_tail and block_m >= 64")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()

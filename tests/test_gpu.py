@@ -84,6 +84,13 @@ VARIANTS = {
     "fused/fused half pair persistent": Variant("fused", "fused", 128, 64, 64, 8, 8, 3, 128, 64, 8, 8, 3,
                                                 False, True, False, True, half_tail=True, g1_pair_tail=True,
                                                 g2_pair_tail=True),
+    # Swapped tails: a paired tail of at most 16 or 32 rows as the N side of a wgmma over the weight rows.
+    "split/fused tma half pair swap": Variant("split", "fused", 128, 128, 64, 1, 8, 4, 256, 64, 1, 8, 3, True, True,
+                                              pdl=True, half_tail=True, g1_pair_tail=True, g2_pair_tail=True,
+                                              g1_swap_tail=32, g2_swap_tail=16),
+    "fused/fused half pair swap persistent": Variant("fused", "fused", 128, 64, 64, 8, 8, 3, 128, 64, 8, 8, 3,
+                                                     False, True, False, True, half_tail=True, g1_pair_tail=True,
+                                                     g2_pair_tail=True, g1_swap_tail=16, g2_swap_tail=32),
 }
 
 

@@ -253,3 +253,17 @@ def test_one_gemm_pairs_its_tails(which):
     module = render.load_source(render.render_variant(v))
     assert [getattr(module.VARIANTS[0], f"g{w}_pair_tail", False) for w in (1, 2)] == [which == 1, which == 2]
     assert_matches(module, *inputs(E=4, T=70, dtype=DTYPES[0]))
+
+
+@pytest.mark.parametrize("form", [("fused", "fused", False, False), ("split", "fused", True, False),
+                                  ("fused", "split", True, True)])
+def test_swapped_tails_are_the_narrow_side_of_their_dot(form):
+    """g1/g2_swap_tail: ~70-80 rows per expert in 64-row blocks, so most experts get a full block and a
+    paired tail of 1-20 rows; tails of at most 16 run as a [weight rows, 16] dot (transposed epilogue
+    and scatter), longer ones as the half-height pair. Pointer rows, TMA rows and persistent forms."""
+    v = dataclasses.replace(small_variant(*form, half_tail=True, pair_tail=True, block_m=64), g1_swap_tail=16,
+                            g2_swap_tail=16)
+    module = render.load_source(render.render_variant(v))
+    assert (module.VARIANTS[0].g1_swap_tail, module.VARIANTS[0].g2_swap_tail) == (16, 16)
+    for T in (140, 160):
+        assert_matches(module, *inputs(E=4, T=T, dtype=DTYPES[0]))

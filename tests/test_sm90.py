@@ -148,3 +148,21 @@ def test_pair_tiles_compile_without_spills():
         assert pair.spill_bytes in (0, None), pair
         assert pair.shared_bytes > plain.shared_bytes and pair.shared_bytes <= 227 * 1024
     assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), case))
+
+
+@pytest.mark.parametrize("swap", [16, 32])
+def test_swapped_tails_are_wgmma_without_spills(swap):
+    """T=4096's shipped shape (GEMM1 128x128 joint gate/up, GEMM2 256 wide, pairs in both, 8 warps)
+    with swapped tails: the tail's dot is a wgmma of N = swap over the stage's weight rows, and
+    neither GEMM spills or takes more shared memory than the pair."""
+    case = Case(SEED16_SHAPE, 4096)
+    v = dataclasses.replace(small_variant("split", tma=True, half_tail=True, pair_tail=True, block_m=128, bn=128,
+                                          bk=64, group_m=1), g1_num_warps=8, g1_num_stages=4, g2_block_n=256,
+                            g2_num_warps=8, g2_num_stages=3, pdl=True, g1_swap_tail=swap, g2_swap_tail=swap)
+    assert not space.violations(v, case) and f" pair swap{swap} g2 " in v.label
+    paired = sm90.gemm_reports(dataclasses.replace(v, g1_swap_tail=0, g2_swap_tail=0), case)
+    for swapped, pair in zip(sm90.gemm_reports(v, case), paired, strict=True):
+        assert swapped.spill_bytes in (0, None), swapped
+        assert any(s.startswith("m64n") and s[4:].split("k")[0] == str(swap) for s in swapped.wgmma_shapes), swapped
+        assert swapped.shared_bytes == pair.shared_bytes  # the tail's rows fit in the half tail's stages
+    assert any("needs g1_pair_tail" in r for r in space.violations(dataclasses.replace(v, g1_pair_tail=False), case))

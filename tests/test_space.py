@@ -148,6 +148,19 @@ def test_sampler_is_asked_only_what_can_take_effect():
         assert valid >= 50, (T, valid)
 
 
+def test_swapped_tails_are_asked_only_with_pairs_of_64_row_blocks():
+    case = Case(SEED16_SHAPE, T=4096)
+    answers = {**small_variant(half_tail=True, block_m=64).as_dict(), "g1_gluon": False, "g2_gluon": False}
+    for which in (1, 2):
+        when = space.PARAM_BY_NAME[f"g{which}_swap_tail"].when
+        assert not when(answers, case)
+        assert when({**answers, f"g{which}_pair_tail": True}, case)
+        assert not when({**answers, f"g{which}_pair_tail": True, "block_m": 32}, case)
+    v = dataclasses.replace(small_variant(half_tail=True, pair_tail=True, block_m=64), g2_swap_tail=16)
+    assert " s2 pair swap16" in v.label and not space.violations(v, case)
+    assert any("needs g2_pair_tail" in r for r in space.violations(dataclasses.replace(v, g2_pair_tail=False), case))
+
+
 def test_pair_tiles_are_asked_only_with_half_tails():
     case = Case(SEED16_SHAPE, T=4096)
     answers = {**small_variant(half_tail=True).as_dict(), "g1_gluon": False, "g2_gluon": False}
