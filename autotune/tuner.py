@@ -113,7 +113,7 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     leader = emit.leader(session, fp.key, case)
     challengers = (emit.stale_leaders(session, fp.key, case, max(STALE_RETIME, cfg.retime))
                    + _new_dimension_probes(session, fp, case, leader)
-                   + _leader_probes(session, fp, case, leader, cfg.probes))
+                   + _leader_probes(session, fp, case, leader, cfg.probes, log))
     # Points an earlier run queued and did not reach (its time budget ran out) are asked first: they
     # are owed work too, and must not take the places of this run's.
     waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
@@ -228,15 +228,21 @@ def _new_dimension_probes(session, fp, case, leader) -> list[dict]:
     return probes
 
 
-def _leader_probes(session, fp, case, leader, assignments) -> list[dict]:
+def _leader_probes(session, fp, case, leader, assignments, log=lambda m: None) -> list[dict]:
     """The case's leader (what emit ships, None if none) with each of `assignments` applied, where
-    that point can run the case and today's code for it is unmeasured."""
+    that point can run the case and today's code for it is unmeasured; a probe that cannot run the
+    case is logged with the reason."""
     if leader is None or not assignments:
         return []
     probes = []
     for change in assignments:
         v = space.Variant.from_dict({**leader.params, **change})
-        if v.as_dict() in probes or space.violations(v, case):
+        why = space.violations(v, case)
+        if why:
+            text = ",".join(f"{k}={value}" for k, value in change.items())
+            log(f"[{case.key}] --probe {text} on the leader cannot run: {'; '.join(why)}")
+            continue
+        if v.as_dict() in probes:
             continue
         if db.cached_result(session, fp.key, case.key, render.variant_hash(v)) is None:
             probes.append(v.as_dict())

@@ -187,14 +187,16 @@ def test_leader_probes_apply_each_assignment_once(tuned_db):
                                 label="stale", source_hash="2" * 16, status="ok", median_ms=leader.median_ms / 100)
         try:
             base = emit.leader(s, target.fingerprint().key, case)  # not the faster stale trial
+            said = []
             probes = tuner._leader_probes(s, target.fingerprint(), case, base, [
                 change, change, {"block_m": leader.params["block_m"]},  # a repeat; the leader itself
-                {"g1_block_k": 256},  # exceeds the case's H: cannot run it
-            ])
+                {"g1_block_k": 256},  # exceeds the case's H: cannot run it, and the log says why
+            ], said.append)
         finally:
             s.delete(stale)
             s.commit()
     assert probes == [probe.as_dict()]
+    assert len(said) == 1 and "--probe g1_block_k=256 on the leader cannot run: g1_block_k=256" in said[0]
 
 
 def _copy_of(url: str, tmp_path: Path) -> str:
