@@ -6,9 +6,11 @@ interleaved rounds so that a drifting clock weighs on every variant alike.
 Each assignment is applied to the case's leader (the variant `moe-tune emit` would ship from
 db/moe_tune.sqlite3 for this GPU); variants the space rejects are reported and skipped. With
 BREAKDOWN=1 it also prints where each variant's device time goes, kernel by kernel. ROUNDS sets the
-number of rounds (default 5, each 5 CUDA-graph replays per variant). With EAGER=1 each round also
-times 5 eager back-to-back calls per variant (no graph), reported beside the graph figures: a
-difference that shows in one and not the other is the graph's (NOTES 20).
+number of rounds (default 5, each 5 CUDA-graph replays per variant), and SETTLE_MS the untimed load
+before each variant's replays in a round (default the tuner's, timing.SETTLE_MS; 0 for none), so
+that every timing is taken in the capped state that sustained load leaves the card in. With EAGER=1
+each round also times 5 eager back-to-back calls per variant (no graph), reported beside the graph
+figures: a difference that shows in one and not the other is the graph's (NOTES 20).
 """
 
 import functools
@@ -23,7 +25,7 @@ from autotune import db, emit, render, space, target
 from autotune.reference import BAR, error_stats
 from autotune.runner import _CaseState
 from autotune.space import Variant
-from autotune.timing import kernel_breakdown, time_fn
+from autotune.timing import SETTLE_MS, kernel_breakdown, time_fn
 from autotune.workloads import SEED16_SHAPE, Case, suite
 
 
@@ -40,7 +42,8 @@ def candidates(lead: Variant, case: Case, assignments: list[str]) -> list[tuple[
     return out
 
 
-def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown: bool, eager: bool = False) -> None:
+def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown: bool, eager: bool = False,
+            settle_ms: float = 0.0) -> None:
     state = _CaseState()
     state.prepare(case)
     runs = []
@@ -62,7 +65,7 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
     for _ in range(rounds):
         for name, call in calls.items():
             for how in methods:
-                samples[name, how].append(time_fn(call, reps=5, graph=how == "graph").median_ms)
+                samples[name, how].append(time_fn(call, reps=5, graph=how == "graph", settle_ms=settle_ms).median_ms)
     for how in methods:
         lead_ms = statistics.median(samples["leader", how])
         for name, v, _ in runs:
@@ -89,7 +92,8 @@ def main(argv: list[str]) -> int:
                 print(f"T={T}: no leader of today's templates in the database")
                 continue
             compare(case, candidates(Variant.from_dict(best.params), case, argv[1:]), rounds,
-                    bool(os.environ.get("BREAKDOWN")), bool(os.environ.get("EAGER")))
+                    bool(os.environ.get("BREAKDOWN")), bool(os.environ.get("EAGER")),
+                    float(os.environ.get("SETTLE_MS", SETTLE_MS)))
     return 0
 
 
