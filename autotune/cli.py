@@ -60,7 +60,7 @@ def cmd_tune(args) -> int:
     cfg = TuneConfig(storage_url=_url(args), trials=args.trials, time_budget_s=args.time_budget,
                      more=args.more, seed=args.seed, isolate=not args.in_process, reps=args.reps,
                      timeout_s=args.timeout, command=" ".join(sys.argv), probes=probes,
-                     retime=args.retime, **({} if args.settle_ms is None else {"settle_ms": args.settle_ms}))
+                     retime=args.retime, settle_ms=args.settle_ms)
     best = tune(cases, cfg)
     for key, ms in best.items():
         print(f"{key}: leader {ms:.4f} ms")
@@ -253,7 +253,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, default=None, help="timed repeats per trial (default 20 GPU, 2 CPU)")
-    p.add_argument("--settle-ms", type=float, default=None, help="device time each trial runs untimed before "
+    p.add_argument("--settle-ms", type=float, default=SETTLE_MS, help="device time each trial runs untimed before "
                    "its timing, so that every contender is timed in the state sustained load leaves the GPU in "
                    f"(default {SETTLE_MS:.0f}; 0: none)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a trial counts as hung")

@@ -103,7 +103,8 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         header=header,
         rows=[Row("float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens), r.v) for r in rows],
         gemm_keys=GEMM_KEYS,
-        # The pair tile (g1_pair_tail, g2_pair_tail) is a sorted form's: a direct form has no blocks to pair.
+        # The pair tile (g1_pair_tail, g2_pair_tail) and its swapped tail are a sorted form's: a direct form has no
+        # blocks to pair.
         gemm1_forms=[{**_gemm1_form(*f), "half_tail": half_tail, "walk": tail_walk,
                       "pair": g1_pair and f[0] != "direct", "swap": g1_swap and f[0] != "direct"} for f in forms1],
         gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk, "pair": g2_pair and not f[0],

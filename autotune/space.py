@@ -50,7 +50,7 @@ def _pair_can_run(which: int) -> Callable[[dict, Case], bool]:
 
 
 def _swap_can_run(which: int) -> Callable[[dict, Case], bool]:
-    # The swapped tail is a narrower dot than the half tail's BLOCK_M / 2 rows.
+    # The swapped tail's dot is narrower than the half tail's BLOCK_M / 2 rows (violations: swap < block_m / 2).
     def can_run(v: dict, case: Case) -> bool:
         return _pair_can_run(which)(v, case) and v[f"g{which}_pair_tail"] and v["block_m"] >= 64
     return can_run
@@ -289,9 +289,10 @@ def violations(v: Variant, case: Case) -> list[str]:
         if getattr(v, f"g{which}_pair_tail") and not _pair_can_run(which)(v.as_dict(), case):
             bad.append(f"g{which}_pair_tail pairs a triton GEMM's half tails with the full block before them: it "
                        f"needs half_tail, no tail_walk, and g{which}_gluon off")
-        if getattr(v, f"g{which}_swap_tail") and not _swap_can_run(which)(v.as_dict(), case):
+        swap = getattr(v, f"g{which}_swap_tail")
+        if swap and not (_swap_can_run(which)(v.as_dict(), case) and swap < v.block_m // 2):
             bad.append(f"g{which}_swap_tail runs a paired tail as a swapped dot narrower than block_m/2 rows: it "
-                       f"needs g{which}_pair_tail and block_m >= 64")
+                       f"needs g{which}_pair_tail and block_m >= 64, and fewer rows than block_m/2")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()

@@ -5,7 +5,7 @@ events, so launch gaps between the pipeline's kernels do not hide (or inflate) k
 result is the per-call median over `reps` replays. Under the interpreter, wall-clock time.
 
 `settle_ms` first runs the call for that long, untimed. Under sustained load the H200 holds its
-700 W cap by lowering the SM clock (1980 -> ~1500 MHz within a few hundred ms of tensor work, NOTES
+700 W cap by lowering the SM clock (1980 -> ~1500 MHz within the first ~100 ms of tensor work, NOTES
 21), so without it a long call's timing depends on how long the card rested before it; the tuner
 settles every trial so that its contenders are timed in one state, the state a sustained prefill
 runs in.

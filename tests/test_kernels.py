@@ -258,8 +258,8 @@ def test_one_gemm_pairs_its_tails(which):
 @pytest.mark.parametrize("form", [("fused", "fused", False, False), ("split", "fused", True, False),
                                   ("fused", "split", True, True)])
 def test_swapped_tails_are_the_narrow_side_of_their_dot(form):
-    """g1/g2_swap_tail: ~70-80 rows per expert in 64-row blocks, so most experts get a full block and a
-    paired tail of 1-20 rows; tails of at most 16 run as a [weight rows, 16] dot (transposed epilogue
+    """g1/g2_swap_tail: ~70-80 rows per expert in 64-row blocks, so each expert gets a full block and a
+    paired tail (here of 4-21 rows); tails of at most 16 run as a [weight rows, 16] dot (transposed epilogue
     and scatter), longer ones as the half-height pair. Pointer rows, TMA rows and persistent forms."""
     v = dataclasses.replace(small_variant(*form, half_tail=True, pair_tail=True, block_m=64), g1_swap_tail=16,
                             g2_swap_tail=16)

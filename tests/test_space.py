@@ -148,7 +148,7 @@ def test_sampler_is_asked_only_what_can_take_effect():
         assert valid >= 50, (T, valid)
 
 
-def test_swapped_tails_are_asked_only_with_pairs_of_64_row_blocks():
+def test_swapped_tails_are_asked_only_with_pairs_of_at_least_64_row_blocks():
     case = Case(SEED16_SHAPE, T=4096)
     answers = {**small_variant(half_tail=True, block_m=64).as_dict(), "g1_gluon": False, "g2_gluon": False}
     for which in (1, 2):
@@ -159,6 +159,9 @@ def test_swapped_tails_are_asked_only_with_pairs_of_64_row_blocks():
     v = dataclasses.replace(small_variant(half_tail=True, pair_tail=True, block_m=64), g2_swap_tail=16)
     assert " s2 pair swap16" in v.label and not space.violations(v, case)
     assert any("needs g2_pair_tail" in r for r in space.violations(dataclasses.replace(v, g2_pair_tail=False), case))
+    # A swap as wide as the half tail would leave the half-height pair unreachable.
+    wide = dataclasses.replace(v, g2_swap_tail=32)
+    assert any("fewer rows than block_m/2" in r for r in space.violations(wide, case))
 
 
 def test_pair_tiles_are_asked_only_with_half_tails():

@@ -411,14 +411,19 @@ def test_a_search_run_times_the_leader_beside_its_challengers(tuned_db, tmp_path
     assert timed.count(lead) == 2 and timed[-1] == lead
 
 
-def test_trials_are_timed_after_the_tuners_settle(monkeypatch):
-    """Every trial's timing asks time_fn for the configured settle (the runner's, in its worker too),
-    and a tuning run's default is timing.SETTLE_MS."""
-    from autotune import runner, timing
+def test_trials_are_timed_after_the_tuners_settle(monkeypatch, tmp_path):
+    """Every trial's timing asks time_fn for the tuning run's settle (default timing.SETTLE_MS): tune
+    hands it to the runner, and the runner to time_fn."""
+    from autotune import runner, timing, tuner
 
-    asked = []
-    real = runner.time_fn
-    monkeypatch.setattr(runner, "time_fn", lambda fn, **kw: asked.append(kw["settle_ms"]) or real(fn, **kw))
+    asked, made = [], []
+    real_time, real_runner = runner.time_fn, tuner.Runner
+    monkeypatch.setattr(runner, "time_fn", lambda fn, **kw: asked.append(kw["settle_ms"]) or real_time(fn, **kw))
+    monkeypatch.setattr(tuner, "Runner", lambda *a: made.append(a) or real_runner(*a))
     result = Runner(isolate=False, reps=1, settle_ms=123.0).evaluate(CASES[1], render.render_variant(small_variant()))
     assert result.status == "ok" and asked == [123.0]
     assert TuneConfig(storage_url="sqlite://").settle_ms == timing.SETTLE_MS > 0
+    url = f"sqlite:///{tmp_path / 'settle.sqlite3'}"
+    tune([CASES[0]], TuneConfig(storage_url=url, trials=1, isolate=False, reps=1, settle_ms=7.0),
+         log=lambda m: None)
+    assert made and made[0][-1] == 7.0 and asked[1:] and set(asked[1:]) == {7.0}

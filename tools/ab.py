@@ -43,7 +43,7 @@ def candidates(lead: Variant, case: Case, assignments: list[str]) -> list[tuple[
 
 
 def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown: bool, eager: bool = False,
-            settle_ms: float = 0.0) -> None:
+            settle_ms: float = SETTLE_MS) -> None:
     state = _CaseState()
     state.prepare(case)
     runs = []
