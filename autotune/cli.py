@@ -187,6 +187,8 @@ def _print_hill(steps, case_key: str) -> None:
             continue
         timed = (f"timed {step.leader_timings}x, spread {step.spread_ms:.4f}" if step.leader_timings
                  else "not timed: its latest figure")
+        if step.challenger is not None and "settled" in (step.challenger.timing_method or ""):
+            timed += ", settled"
         if step.challenger is None:
             print(f"run {step.run_id:>3}: leader {step.leader.median_ms:.4f} ms ({timed}), no challenger")
             continue

@@ -427,3 +427,18 @@ def test_trials_are_timed_after_the_tuners_settle(monkeypatch, tmp_path):
     tune([CASES[0]], TuneConfig(storage_url=url, trials=1, isolate=False, reps=1, settle_ms=7.0),
          log=lambda m: None)
     assert made and made[0][-1] == 7.0 and asked[1:] and set(asked[1:]) == {7.0}
+
+
+def test_hill_marks_the_runs_timed_settled(tmp_path, capsys):
+    """`show --hill` says which runs timed their contest after the tuner's settle."""
+    fp, case = target.fingerprint(), CASES[0]
+    a, b = small_variant(bn=16), small_variant(bn=32)
+    with Session(db.connect(f"sqlite:///{tmp_path / 'hill.sqlite3'}")) as s:
+        for name, method in (("run 1", None), ("run 2", None), ("run 3", "cuda-graph, settled 400 ms")):
+            r = db.start_run(s, fp, name, None)
+            for v, ms in ((a, 1.0), (b, 1.1)):
+                _record(s, r, case, v, ms).timing_method = method
+            s.commit()
+        cli._print_hill(emit.hill(s, fp.key, case), case.key)
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert ["settled" in line for line in lines] == [False, False, True], lines
