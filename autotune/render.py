@@ -84,10 +84,11 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     if not rows:
         raise ValueError("a module needs at least one variant")
     rows = sorted(rows, key=lambda r: r.max_tokens)
-    # A GEMM run by its Gluon kernel needs no triton form.
+    # A GEMM run by its Gluon kernel, or by the fused direct MLP, needs no triton form.
     forms1 = sorted({(r.v.route, r.v.activation, r.v.g1_weight_tma, r.v.g1_persistent) for r in rows
-                     if not r.v.g1_gluon})
-    forms2 = sorted({(r.v.direct, r.v.g2_weight_tma, r.v.g2_persistent) for r in rows if not r.v.g2_gluon})
+                     if not r.v.g1_gluon and not r.v.fused_mlp})
+    forms2 = sorted({(r.v.direct, r.v.g2_weight_tma, r.v.g2_persistent) for r in rows
+                     if not r.v.g2_gluon and not r.v.fused_mlp})
     # Rendered only when a row uses them, so modules without them keep their source (and trial hashes).
     half_tail = any(r.v.half_tail for r in rows)
     tail_walk = any(r.v.tail_walk for r in rows)
@@ -112,6 +113,7 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         g1_pair=g1_pair,
         g2_pair=g2_pair,
         g1_swap=g1_swap,
+        fused_mlp=any(r.v.fused_mlp for r in rows),
         g2_swap=g2_swap,
         half_tail=half_tail,
         tail_walk=tail_walk,

@@ -27,7 +27,9 @@ from .workloads import Case
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # Pointer arguments that are not activations, by name.
 _INDEX_POINTERS = {"sorted_slots_ptr", "block_expert_ptr", "block_rows_ptr", "num_blocks_ptr", "walk_blocks_ptr",
-                   "walk_count_ptr", "tile_counter_ptr"}
+                   "walk_count_ptr", "tile_counter_ptr", "ids_ptr"}
+# Router weights, and fused_mlp's fp32 shares of each output row.
+_FP32_POINTERS = {"topk_weights_ptr", "part_ptr"}
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,13 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
         constexprs["PAIR_TAIL"] = getattr(v, f"g{which}_pair_tail")
     if "SWAP_TAIL" in fn.arg_names:
         constexprs["SWAP_TAIL"] = getattr(v, f"g{which}_swap_tail")
+    if "BLOCK_H" in fn.arg_names:  # fused_mlp: GEMM2's share in chunks of g2_block_n
+        constexprs["BLOCK_H"] = v.gemm(2)["BLOCK_N"]
     if "WALK" in fn.arg_names:
         # The tail walk's first launch (full-height blocks) stands for the pair.
         constexprs["WALK"] = v.tail_walk and g["persistent"]
         constexprs["WALK_M"] = v.block_m
+    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     rows_tma = "a_desc" in fn.arg_names or "h_desc" in fn.arg_names
     signature, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
@@ -85,7 +90,7 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
             swap = getattr(v, f"g{which}_swap_tail") or v.block_m
             signature[arg] = f"tensordesc<{dt}[{swap}, {g['BLOCK_K']}]>" if rows_tma else f"*{dt}"
         elif arg.endswith("_ptr"):
-            signature[arg] = ("*i32" if arg in _INDEX_POINTERS else "*fp32" if arg == "topk_weights_ptr"
+            signature[arg] = ("*i32" if arg in _INDEX_POINTERS else "*fp32" if arg in _FP32_POINTERS
                               else f"*{dt}")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
@@ -214,7 +219,7 @@ def gemm_reports(v: Variant, case: Case) -> list[KernelReport]:
 def _compile_here(v: dict, case: dict) -> list[dict]:
     v, case = Variant.from_dict(v), Case.from_dict(case)
     module = render.load_source(render.render_variant(v))
-    kernels = (
+    kernels = ((1, module._mlp_direct),) if v.fused_mlp else (
         (1, (module._gemm1_gluon_gather_kernel if v.dispatch == "fused" else module._gemm1_gluon_kernel) if v.g1_gluon
          else module._GEMM1[(v.route, v.activation, v.g1_weight_tma, v.g1_persistent)]),
         (2, module._gemm2_gluon_kernel if v.g2_gluon else module._GEMM2[(v.direct, v.g2_weight_tma, v.g2_persistent)]),

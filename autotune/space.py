@@ -56,6 +56,11 @@ def _swap_can_run(which: int) -> Callable[[dict, Case], bool]:
     return can_run
 
 
+def _fused_mlp_can_run(v: dict, case: Case) -> bool:
+    # Both GEMMs by pointer loads in one program: the direct route with SwiGLU in GEMM1's epilogue.
+    return v["direct"] and v["activation"] == "fused" and not (v["g1_weight_tma"] or v["g2_weight_tma"])
+
+
 def _gluon_can_run(which: int) -> Callable[[dict, Case], bool]:
     def can_run(v: dict, case: Case) -> bool:
         g = f"g{which}_"
@@ -152,6 +157,11 @@ PARAMS: tuple[Param, ...] = (
           default=0, when=_swap_can_run(1)),
     Param("g2_swap_tail", (0, 16, 32), "the same swapped tail in the triton GEMM2 (with g2_pair_tail)", default=0,
           when=_swap_can_run(2)),
+    Param("fused_mlp", (False, True),
+          "direct route: GEMM1 and GEMM2 in one program per slot and column chunk of I (g1's tile; GEMM2 "
+          "in g2_block_n-wide chunks of H), each writing its share of the slot's output row in fp32, summed "
+          "by a small kernel in a fixed order: no GEMM2 waiting on GEMM1's last programs, no combine, at "
+          "T=1-4 where that boundary is ~10% of the call", default=False, when=_fused_mlp_can_run),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -196,6 +206,7 @@ class Variant:
     g2_pair_tail: bool = False
     g1_swap_tail: int = 0
     g2_swap_tail: int = 0
+    fused_mlp: bool = False
 
     @property
     def route(self) -> str:
@@ -245,7 +256,8 @@ class Variant:
         g2_text = (gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon
                    else gemm(g2, self.g2_pair_tail, self.g2_swap_tail))
         dynamic = " dynamic-walk" if self.dynamic_walk else ""
-        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
+        mlp = " fused-mlp" if self.fused_mlp else ""
+        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}{mlp}"
 
 
 def _next_pow2(n: int) -> int:
@@ -293,6 +305,9 @@ def violations(v: Variant, case: Case) -> list[str]:
         if swap and not (_swap_can_run(which)(v.as_dict(), case) and swap < v.block_m // 2):
             bad.append(f"g{which}_swap_tail runs a paired tail as a swapped dot narrower than block_m/2 rows: it "
                        f"needs g{which}_pair_tail and block_m >= 64, and fewer rows than block_m/2")
+    if v.fused_mlp and not _fused_mlp_can_run(v.as_dict(), case):
+        bad.append("fused_mlp runs the direct route's two GEMMs in one program by pointer loads: it needs direct, "
+                   "activation=fused and no weight TMA")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()
