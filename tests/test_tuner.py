@@ -1,6 +1,7 @@
 """A tuning run on a tiny case into a temporary SQLite file: resumed, emitted, imported, checked;
 the database rows, `show`, the CLI, and trial isolation (a crashing or hanging variant)."""
 
+import contextlib
 import math
 import shutil
 from pathlib import Path
@@ -127,6 +128,18 @@ def test_bf16_refused_without_gpu(capsys):
         cli.main(["tune", "--shape", "4,32,32,2", "--tokens", "1"])
 
 
+@contextlib.contextmanager
+def _extra_trial(s: Session, like, case: Case, **fields):
+    """A verified trial recorded beside `like` (its run and study) for the length of the block."""
+    row = db.record_trial(s, run_id=like.run_id, study=like.study, fingerprint=like.fingerprint, case_key=case.key,
+                          case=case.as_dict(), status="ok", **fields)
+    try:
+        yield row
+    finally:
+        s.delete(row)
+        s.commit()
+
+
 def test_trials_of_older_templates_are_not_shipped(tuned_db):
     """A trial whose recorded source differs from today's rendering measured other code: emit skips
     it and the tuner queues it for re-timing."""
@@ -134,15 +147,10 @@ def test_trials_of_older_templates_are_not_shipped(tuned_db):
     case = CASES[0]
     with Session(db.connect(url)) as s:
         current = emit.leader(s, target.fingerprint().key, case)
-        fake = db.record_trial(s, run_id=current.run_id, study=current.study, fingerprint=current.fingerprint,
-                               case_key=case.key, case=case.as_dict(), params=current.params, label=current.label,
-                               source_hash="0" * 16, status="ok", median_ms=current.median_ms / 100)
-        try:
+        with _extra_trial(s, current, case, params=current.params, label=current.label, source_hash="0" * 16,
+                          median_ms=current.median_ms / 100):
             assert emit.leader(s, target.fingerprint().key, case).id == current.id
             assert emit.stale_leaders(s, target.fingerprint().key, case, 3) == []  # today's code is measured
-        finally:
-            s.delete(fake)
-            s.commit()
 
 
 def test_new_parameters_are_probed_from_the_leader(tuned_db):
@@ -156,17 +164,12 @@ def test_new_parameters_are_probed_from_the_leader(tuned_db):
         # A leader that predates `pdl`: a known-good point without it, faster than anything measured.
         # (Not the tuned leader: which parameters it holds at their defaults depends on timing.)
         old_params = {k: v for k, v in small_variant().as_dict().items() if k != "pdl"}
-        fake = db.record_trial(s, run_id=current.run_id, study=current.study, fingerprint=current.fingerprint,
-                               case_key=case.key, case=case.as_dict(), params=old_params, label=current.label,
-                               source_hash=render.variant_hash(space.Variant.from_dict(old_params)), status="ok",
-                               median_ms=current.median_ms / 100)
-        try:
+        with _extra_trial(s, current, case, params=old_params, label=current.label,
+                          source_hash=render.variant_hash(space.Variant.from_dict(old_params)),
+                          median_ms=current.median_ms / 100):
             probes = tuner._new_dimension_probes(s, target.fingerprint(), case,
                                                  emit.leader(s, target.fingerprint().key, case))
             assert probes == [space.Variant.from_dict({**old_params, "pdl": True}).as_dict()]
-        finally:
-            s.delete(fake)
-            s.commit()
 
 
 def test_leader_probes_apply_each_assignment_once(tuned_db):
@@ -182,19 +185,14 @@ def test_leader_probes_apply_each_assignment_once(tuned_db):
         probe = space.Variant.from_dict({**leader.params, **change})
         assert db.cached_result(s, target.fingerprint().key, case.key, render.variant_hash(probe)) is None
         # A faster trial of code the templates no longer render is no base for probes.
-        stale = db.record_trial(s, run_id=leader.run_id, study=leader.study, fingerprint=leader.fingerprint,
-                                case_key=case.key, case=case.as_dict(), params=small_variant(bn=64).as_dict(),
-                                label="stale", source_hash="2" * 16, status="ok", median_ms=leader.median_ms / 100)
-        try:
+        with _extra_trial(s, leader, case, params=small_variant(bn=64).as_dict(), label="stale",
+                          source_hash="2" * 16, median_ms=leader.median_ms / 100):
             base = emit.leader(s, target.fingerprint().key, case)  # not the faster stale trial
             said = []
             probes = tuner._leader_probes(s, target.fingerprint(), case, base, [
                 change, change, {"block_m": leader.params["block_m"]},  # a repeat; the leader itself
                 {"g1_block_k": 256},  # exceeds the case's H: cannot run it, and the log says why
             ], said.append)
-        finally:
-            s.delete(stale)
-            s.commit()
     assert probes == [probe.as_dict()]
     assert len(said) == 1 and "--probe g1_block_k=256 on the leader cannot run: g1_block_k=256" in said[0]
 
