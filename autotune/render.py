@@ -113,8 +113,10 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         g1_pair=g1_pair,
         g2_pair=g2_pair,
         g1_swap=g1_swap,
-        fused_mlp=any(r.v.fused_mlp for r in rows),
         g2_swap=g2_swap,
+        fused_mlp=any(r.v.fused_mlp for r in rows),
+        # fused_mlp's GEMM1 half: the direct form's tile, by pointer loads, SwiGLU in the epilogue.
+        mlp_form=_gemm1_form("direct", "fused", False, False),
         half_tail=half_tail,
         tail_walk=tail_walk,
         gluon_gemm1=gluon_gemm1,

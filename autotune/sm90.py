@@ -69,7 +69,11 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
         # The tail walk's first launch (full-height blocks) stands for the pair.
         constexprs["WALK"] = v.tail_walk and g["persistent"]
         constexprs["WALK_M"] = v.block_m
+    # fused_mlp's kernel takes no GROUP_M; every kernel must get each constexpr it declares.
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    if missing:
+        raise ValueError(f"{fn.__name__}: no value for its constexpr(s) {', '.join(missing)}")
     rows_tma = "a_desc" in fn.arg_names or "h_desc" in fn.arg_names
     signature, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
@@ -95,7 +99,8 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[arg] = "i32"
-            value = {"N": n, "K": k}.get(arg, 16)  # strides of seed16-like shapes are multiples of 16
+            # Strides of seed16-like shapes are multiples of 16.
+            value = {"N": n, "K": k, "H": case.shape.H, "I": case.shape.I}.get(arg, 16)
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return signature, constexprs, attrs

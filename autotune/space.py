@@ -317,6 +317,17 @@ def violations(v: Variant, case: Case) -> list[str]:
         (1, s.I if fused_act else 2 * s.I, s.H, 2 if fused_act else 1),
         (2, s.H, s.I, 1),
     )
+    if v.fused_mlp:
+        # One kernel, g1's pipeline: GEMM1's stages, then GEMM2's share by [g1_block_n, g2_block_n] tiles
+        # of w2 (h stays in registers). The GEMM2 below is not launched.
+        g1, g2 = v.gemm(1), v.gemm(2)
+        need = max(_gemm_smem(v.block_m, g1["BLOCK_N"], g1["BLOCK_K"], g1["num_stages"], 2, s.elem_bytes),
+                   _gemm_smem(0, g2["BLOCK_N"], g1["BLOCK_N"], g1["num_stages"], 1, s.elem_bytes))
+        if need > smem:
+            bad.append(f"fused_mlp needs {need // 1024} KB shared memory > {smem // 1024} KB")
+        if g2["BLOCK_N"] > max(16, _next_pow2(s.H)):
+            bad.append(f"g2_block_n={g2['BLOCK_N']} exceeds H={s.H}")
+        gemms = gemms[:1]
     for which, n, k, b_tiles in gemms:
         g = v.gemm(which)
         if g["BLOCK_K"] > max(16, _next_pow2(k)):
@@ -413,6 +424,12 @@ def choices(p: Param, case: Case) -> tuple:
     return tuple(c for c in p.choices if c <= limit) or p.choices[:1]
 
 
+# What fused_mlp's one kernel does not read, set to fixed values: variants that differ only there
+# render the same source, so the tuner's cache answers them instead of timing them again.
+_FUSED_MLP_UNUSED = {"g1_group_m": 1, "g1_persistent": False, "g2_block_k": 32, "g2_group_m": 1,
+                     "g2_num_warps": 4, "g2_num_stages": 2, "g2_persistent": False}
+
+
 def suggest(trial, case: Case) -> Variant:
     """Ask an Optuna trial for a variant, define-by-run: every unconditional parameter, then each
     conditional one whose `when` holds for the answers so far (the rest keep their defaults), so the
@@ -422,6 +439,8 @@ def suggest(trial, case: Case) -> Variant:
         if p.when is not None:
             values[p.name] = (trial.suggest_categorical(p.name, choices(p, case)) if p.when(values, case)
                               else p.default)
+    if values["fused_mlp"]:
+        values.update(_FUSED_MLP_UNUSED)
     return Variant(**values)
 
 

@@ -104,7 +104,8 @@ TINY_T_ONLY = {
     "direct/fused": Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4, direct=True),
     "direct/split tma pdl": Variant("fused", "split", 16, 64, 64, 1, 4, 4, 64, 64, 1, 4, 4, True, True, pdl=True,
                                     direct=True),
-    # Both GEMMs in one program per slot and chunk of I, fp32 shares summed in a fixed order.
+    # Both GEMMs in one program per slot and chunk of I, fp32 shares summed in a fixed order (T=7: 56 slots,
+    # past the tuner's DIRECT_MAX_SLOTS, as a kernel test).
     "direct/fused mlp pdl": Variant("fused", "fused", 16, 64, 64, 1, 8, 5, 128, 128, 1, 4, 4, pdl=True, direct=True,
                                     fused_mlp=True),
 }

@@ -280,6 +280,8 @@ def test_fused_direct_mlp_matches_the_reference(shape):
     for T in (1, 3):
         x, w13, w2, w, ids = inputs(**shape, T=T, dtype=DTYPES[0])
         assert_matches(module, x, w13, w2, w, ids)
+    module._MLP_REDUCE_CHUNKS = 1  # the reduce's loop over chunk tiles, one chunk a tile
+    assert_matches(module, x, w13, w2, w, ids)
     ids[0, 0], ids[-1, -1] = -1, shape["E"] + 3  # an expert not on this device, and garbage
     out = module.fused_experts(x, w13, w2, w, ids)
     keep = (ids >= 0) & (ids < shape["E"])

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import optuna
 import pytest
 from conftest import small_variant
 
@@ -178,3 +179,17 @@ def test_pair_tiles_are_asked_only_with_half_tails():
     small = Case(Shape(8, 64, 48, 2, "float16"), 37)
     assert not space.violations(v, small)
     assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), small))
+
+
+def test_fused_mlp_counts_its_one_kernel_and_fixes_what_it_does_not_read():
+    case = Case(SEED16_SHAPE, T=1)
+    v = dataclasses.replace(small_variant("direct"), fused_mlp=True, g1_block_n=128, g1_block_k=128, g1_num_stages=3,
+                            g2_block_n=256, g2_block_k=128, g2_num_stages=5)
+    # Its GEMM2 is no launch of its own: only w2's [g1_block_n, g2_block_n] tiles share g1's pipeline.
+    assert not space.violations(v, case)
+    assert any("GEMM2 needs" in r for r in space.violations(dataclasses.replace(v, fused_mlp=False), case))
+    wide = dataclasses.replace(v, g1_block_n=256, g1_block_k=32, g1_num_stages=5)
+    assert any("fused_mlp needs" in r for r in space.violations(wide, case))
+    # What the kernel does not read comes back fixed, so such variants render (and cache) as one.
+    fixed = space.suggest(optuna.trial.FixedTrial({**v.as_dict(), "g2_num_warps": 8}), case)
+    assert (fixed.g2_block_k, fixed.g2_num_warps, fixed.g2_num_stages, fixed.g1_block_n) == (32, 4, 2, 128)
