@@ -85,10 +85,15 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         raise ValueError("a module needs at least one variant")
     rows = sorted(rows, key=lambda r: r.max_tokens)
     # A GEMM run by its Gluon kernel, or by the fused direct MLP, needs no triton form.
-    forms1 = sorted({(r.v.route, r.v.activation, r.v.g1_weight_tma, r.v.g1_persistent) for r in rows
-                     if not r.v.g1_gluon and not r.v.fused_mlp})
-    forms2 = sorted({(r.v.direct, r.v.g2_weight_tma, r.v.g2_persistent) for r in rows
-                     if not r.v.g2_gluon and not r.v.fused_mlp})
+    def form1(r: Row) -> tuple:
+        return (r.v.route, r.v.activation, r.v.g1_weight_tma, r.v.g1_persistent)
+
+    def form2(r: Row) -> tuple:
+        return (r.v.direct, r.v.g2_weight_tma, r.v.g2_persistent)
+
+    rows1 = [r for r in rows if not r.v.g1_gluon and not r.v.fused_mlp]
+    rows2 = [r for r in rows if not r.v.g2_gluon and not r.v.fused_mlp]
+    forms1, forms2 = sorted({form1(r) for r in rows1}), sorted({form2(r) for r in rows2})
     # Rendered only when a row uses them, so modules without them keep their source (and trial hashes).
     half_tail = any(r.v.half_tail for r in rows)
     tail_walk = any(r.v.tail_walk for r in rows)
@@ -104,12 +109,15 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         header=header,
         rows=[Row("float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens), r.v) for r in rows],
         gemm_keys=GEMM_KEYS,
-        # The pair tile (g1_pair_tail, g2_pair_tail) and its swapped tail are a sorted form's: a direct form has no
-        # blocks to pair.
+        # A form carries the pair tile (g1_pair_tail, g2_pair_tail) and its swapped tail only where one of its
+        # rows uses them (a direct form has no blocks to pair); the kernel's PAIR_TAIL and SWAP_TAIL
+        # arguments stay module-wide, as the launcher passes them to every form.
         gemm1_forms=[{**_gemm1_form(*f), "half_tail": half_tail, "walk": tail_walk,
-                      "pair": g1_pair and f[0] != "direct", "swap": g1_swap and f[0] != "direct"} for f in forms1],
-        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk, "pair": g2_pair and not f[0],
-                      "swap": g2_swap and not f[0]} for f in forms2],
+                      "pair": any(r.v.g1_pair_tail for r in rows1 if form1(r) == f),
+                      "swap": any(r.v.g1_swap_tail for r in rows1 if form1(r) == f)} for f in forms1],
+        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk,
+                      "pair": any(r.v.g2_pair_tail for r in rows2 if form2(r) == f),
+                      "swap": any(r.v.g2_swap_tail for r in rows2 if form2(r) == f)} for f in forms2],
         g1_pair=g1_pair,
         g2_pair=g2_pair,
         g1_swap=g1_swap,

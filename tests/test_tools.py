@@ -27,3 +27,19 @@ def test_ab_times_the_leader_then_each_new_accepted_variant(capsys):
 def test_ab_refuses_to_run_without_a_gpu(capsys):
     assert ab.main(["64"]) == 1
     assert "GPU" in capsys.readouterr().out
+
+
+_spec_ptx = importlib.util.spec_from_file_location("same_ptx", Path(__file__).resolve().parent.parent / "tools" /
+                                                   "same_ptx.py")
+same_ptx = importlib.util.module_from_spec(_spec_ptx)
+_spec_ptx.loader.exec_module(same_ptx)
+
+
+def test_same_ptx_compares_code_not_where_it_came_from():
+    """Two compilations of one kernel from differently named files differ only in .loc/.file lines and
+    the debug sections, which code_lines drops; an instruction is kept."""
+    ptx = ('.file 1 "/tmp/{}.py"\n.visible .entry k()\n{{\n.loc 1 12 3\nadd.s32 %r1, %r2, %r3;\n}}\n'
+           '\t.section\t.debug_info\n.b8 {}\n')
+    assert same_ptx.code_lines(ptx.format("a", 97)) == same_ptx.code_lines(ptx.format("b", 98))
+    assert "add.s32 %r1, %r2, %r3;" in same_ptx.code_lines(ptx.format("a", 97))
+    assert same_ptx.main([]) == 2
