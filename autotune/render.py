@@ -85,15 +85,9 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         raise ValueError("a module needs at least one variant")
     rows = sorted(rows, key=lambda r: r.max_tokens)
     # A GEMM run by its Gluon kernel, or by the fused direct MLP, needs no triton form.
-    def form1(r: Row) -> tuple:
-        return (r.v.route, r.v.activation, r.v.g1_weight_tma, r.v.g1_persistent)
-
-    def form2(r: Row) -> tuple:
-        return (r.v.direct, r.v.g2_weight_tma, r.v.g2_persistent)
-
     rows1 = [r for r in rows if not r.v.g1_gluon and not r.v.fused_mlp]
     rows2 = [r for r in rows if not r.v.g2_gluon and not r.v.fused_mlp]
-    forms1, forms2 = sorted({form1(r) for r in rows1}), sorted({form2(r) for r in rows2})
+    forms1, forms2 = sorted({r.v.triton_form(1) for r in rows1}), sorted({r.v.triton_form(2) for r in rows2})
     # Rendered only when a row uses them, so modules without them keep their source (and trial hashes).
     half_tail = any(r.v.half_tail for r in rows)
     tail_walk = any(r.v.tail_walk for r in rows)
@@ -113,11 +107,11 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         # rows uses them (a direct form has no blocks to pair); the kernel's PAIR_TAIL and SWAP_TAIL
         # arguments stay module-wide, as the launcher passes them to every form.
         gemm1_forms=[{**_gemm1_form(*f), "half_tail": half_tail, "walk": tail_walk,
-                      "pair": any(r.v.g1_pair_tail for r in rows1 if form1(r) == f),
-                      "swap": any(r.v.g1_swap_tail for r in rows1 if form1(r) == f)} for f in forms1],
+                      "pair": any(r.v.g1_pair_tail for r in rows1 if r.v.triton_form(1) == f),
+                      "swap": any(r.v.g1_swap_tail for r in rows1 if r.v.triton_form(1) == f)} for f in forms1],
         gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk,
-                      "pair": any(r.v.g2_pair_tail for r in rows2 if form2(r) == f),
-                      "swap": any(r.v.g2_swap_tail for r in rows2 if form2(r) == f)} for f in forms2],
+                      "pair": any(r.v.g2_pair_tail for r in rows2 if r.v.triton_form(2) == f),
+                      "swap": any(r.v.g2_swap_tail for r in rows2 if r.v.triton_form(2) == f)} for f in forms2],
         g1_pair=g1_pair,
         g2_pair=g2_pair,
         g1_swap=g1_swap,

@@ -221,22 +221,26 @@ def gemm_reports(v: Variant, case: Case) -> list[KernelReport]:
     return [KernelReport(**r) for r in in_child_process("autotune.sm90:_compile_here", v.as_dict(), case.as_dict())]
 
 
+def compile_triton(fn, case: Case, v: Variant, which: int):
+    """GEMM `which`'s triton kernel `fn` of variant `v` compiled for sm_90 as it would launch on `case`."""
+    g = v.gemm(which)
+    return compile_sm90(fn, *_signature(fn, case, v, which), num_warps=g["num_warps"], num_stages=g["num_stages"])
+
+
 def _compile_here(v: dict, case: dict) -> list[dict]:
     v, case = Variant.from_dict(v), Case.from_dict(case)
     module = render.load_source(render.render_variant(v))
     kernels = ((1, module._mlp_direct),) if v.fused_mlp else (
         (1, (module._gemm1_gluon_gather_kernel if v.dispatch == "fused" else module._gemm1_gluon_kernel) if v.g1_gluon
-         else module._GEMM1[(v.route, v.activation, v.g1_weight_tma, v.g1_persistent)]),
-        (2, module._gemm2_gluon_kernel if v.g2_gluon else module._GEMM2[(v.direct, v.g2_weight_tma, v.g2_persistent)]),
+         else module._GEMM1[v.triton_form(1)]),
+        (2, module._gemm2_gluon_kernel if v.g2_gluon else module._GEMM2[v.triton_form(2)]),
     )
     reports = []
     for which, fn in kernels:
-        g = v.gemm(which)
         if getattr(v, f"g{which}_gluon"):
             compiled = _compile_gluon(fn, module, case, v, which)
         else:
-            compiled = compile_sm90(fn, *_signature(fn, case, v, which), num_warps=g["num_warps"],
-                                    num_stages=g["num_stages"])
+            compiled = compile_triton(fn, case, v, which)
         ptx = compiled.asm["ptx"]
         registers, spill = _resource_usage(compiled.asm["cubin"])
         reports.append(KernelReport(

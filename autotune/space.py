@@ -236,6 +236,14 @@ class Variant:
             "persistent": getattr(self, p + "persistent"),
         }
 
+    def triton_form(self, which: int) -> tuple:
+        """The key of GEMM `which`'s triton kernel in a module's _GEMM1 / _GEMM2 table (the forms
+        render_module renders): the row route, activation, TMA and persistence for GEMM1; directness,
+        TMA and persistence for GEMM2."""
+        if which == 1:
+            return (self.route, self.activation, self.g1_weight_tma, self.g1_persistent)
+        return (self.direct, self.g2_weight_tma, self.g2_persistent)
+
     @property
     def label(self) -> str:
         g1, g2 = self.gemm(1), self.gemm(2)

@@ -40,15 +40,10 @@ def main(argv: list[str]) -> int:
             for which in (1, 2):
                 if getattr(v, f"g{which}_gluon") or v.fused_mlp:
                     continue
-                key = ((v.route, v.activation, v.g1_weight_tma, v.g1_persistent) if which == 1
-                       else (v.direct, v.g2_weight_tma, v.g2_persistent))
-                g = v.gemm(which)
                 ptx = []
                 for m in modules:
-                    fn = (m._GEMM1 if which == 1 else m._GEMM2)[key]
-                    compiled = sm90.compile_sm90(fn, *sm90._signature(fn, case, v, which), num_warps=g["num_warps"],
-                                                 num_stages=g["num_stages"])
-                    ptx.append(code_lines(compiled.asm["ptx"]))
+                    fn = (m._GEMM1 if which == 1 else m._GEMM2)[v.triton_form(which)]
+                    ptx.append(code_lines(sm90.compile_triton(fn, case, v, which).asm["ptx"]))
                 same = ptx[0] == ptx[1]
                 differ += not same
                 print(f"T={case.T:<6} GEMM{which} {fn.__name__}: {'same' if same else 'DIFFERENT'}", flush=True)
