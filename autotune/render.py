@@ -84,9 +84,9 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     if not rows:
         raise ValueError("a module needs at least one variant")
     rows = sorted(rows, key=lambda r: r.max_tokens)
-    # A GEMM run by its Gluon kernel, or by the fused direct MLP, needs no triton form.
-    rows1 = [r for r in rows if not r.v.g1_gluon and not r.v.fused_mlp]
-    rows2 = [r for r in rows if not r.v.g2_gluon and not r.v.fused_mlp]
+    # A GEMM run by its Gluon kernel needs no triton form.
+    rows1 = [r for r in rows if not r.v.g1_gluon]
+    rows2 = [r for r in rows if not r.v.g2_gluon]
     forms1, forms2 = sorted({r.v.triton_form(1) for r in rows1}), sorted({r.v.triton_form(2) for r in rows2})
     # Rendered only when a row uses them, so modules without them keep their source (and trial hashes).
     half_tail = any(r.v.half_tail for r in rows)
@@ -116,9 +116,6 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         g2_pair=g2_pair,
         g1_swap=g1_swap,
         g2_swap=g2_swap,
-        fused_mlp=any(r.v.fused_mlp for r in rows),
-        # fused_mlp's GEMM1 half: the direct form's tile, by pointer loads, SwiGLU in the epilogue.
-        mlp_form=_gemm1_form("direct", "fused", False, False),
         half_tail=half_tail,
         tail_walk=tail_walk,
         gluon_gemm1=gluon_gemm1,

@@ -27,9 +27,9 @@ from .workloads import Case
 _TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # Pointer arguments that are not activations, by name.
 _INDEX_POINTERS = {"sorted_slots_ptr", "block_expert_ptr", "block_rows_ptr", "num_blocks_ptr", "walk_blocks_ptr",
-                   "walk_count_ptr", "tile_counter_ptr", "ids_ptr"}
-# Router weights, and fused_mlp's fp32 shares of each output row.
-_FP32_POINTERS = {"topk_weights_ptr", "part_ptr"}
+                   "walk_count_ptr", "tile_counter_ptr"}
+# Router weights.
+_FP32_POINTERS = {"topk_weights_ptr"}
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,11 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
         constexprs["PAIR_TAIL"] = getattr(v, f"g{which}_pair_tail")
     if "SWAP_TAIL" in fn.arg_names:
         constexprs["SWAP_TAIL"] = getattr(v, f"g{which}_swap_tail")
-    if "BLOCK_H" in fn.arg_names:  # fused_mlp: GEMM2's share in chunks of g2_block_n
-        constexprs["BLOCK_H"] = v.gemm(2)["BLOCK_N"]
     if "WALK" in fn.arg_names:
         # The tail walk's first launch (full-height blocks) stands for the pair.
         constexprs["WALK"] = v.tail_walk and g["persistent"]
         constexprs["WALK_M"] = v.block_m
-    # fused_mlp's kernel takes no GROUP_M; every kernel must get each constexpr it declares.
+    # A kernel gets the constexprs it declares, each of them.
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
@@ -230,7 +228,7 @@ def compile_triton(fn, case: Case, v: Variant, which: int):
 def _compile_here(v: dict, case: dict) -> list[dict]:
     v, case = Variant.from_dict(v), Case.from_dict(case)
     module = render.load_source(render.render_variant(v))
-    kernels = ((1, module._mlp_direct),) if v.fused_mlp else (
+    kernels = (
         (1, (module._gemm1_gluon_gather_kernel if v.dispatch == "fused" else module._gemm1_gluon_kernel) if v.g1_gluon
          else module._GEMM1[v.triton_form(1)]),
         (2, module._gemm2_gluon_kernel if v.g2_gluon else module._GEMM2[v.triton_form(2)]),

@@ -56,11 +56,6 @@ def _swap_can_run(which: int) -> Callable[[dict, Case], bool]:
     return can_run
 
 
-def _fused_mlp_can_run(v: dict, case: Case) -> bool:
-    # Both GEMMs by pointer loads in one program: the direct route with SwiGLU in GEMM1's epilogue.
-    return v["direct"] and v["activation"] == "fused" and not (v["g1_weight_tma"] or v["g2_weight_tma"])
-
-
 def _gluon_can_run(which: int) -> Callable[[dict, Case], bool]:
     def can_run(v: dict, case: Case) -> bool:
         g = f"g{which}_"
@@ -157,14 +152,14 @@ PARAMS: tuple[Param, ...] = (
           default=0, when=_swap_can_run(1)),
     Param("g2_swap_tail", (0, 16, 32), "the same swapped tail in the triton GEMM2 (with g2_pair_tail)", default=0,
           when=_swap_can_run(2)),
-    Param("fused_mlp", (False, True),
-          "direct route: GEMM1 and GEMM2 in one program per slot and column chunk of I (g1's tile; GEMM2 "
-          "in g2_block_n-wide chunks of H), each writing its share of the slot's output row in fp32, summed "
-          "by a small kernel in a fixed order: no GEMM2 waiting on GEMM1's last programs, no combine, at "
-          "T=1-4 where that boundary is ~10% of the call", default=False, when=_fused_mlp_can_run),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
+
+# Parameters measured on the GPU and withdrawn (NOTES), with the value every variant of today's
+# templates has. Committed studies and trial rows still name them; a variant that set one otherwise
+# is not one the templates render.
+WITHDRAWN = {"fused_mlp": False}  # the fused direct MLP: NOTES 37
 
 # A tile's fp32 accumulators above this many per thread spill registers (255 is the hardware cap,
 # and the loads in flight need the rest).
@@ -206,7 +201,6 @@ class Variant:
     g2_pair_tail: bool = False
     g1_swap_tail: int = 0
     g2_swap_tail: int = 0
-    fused_mlp: bool = False
 
     @property
     def route(self) -> str:
@@ -220,6 +214,9 @@ class Variant:
     @classmethod
     def from_dict(cls, d: dict) -> Variant:
         names = {f.name for f in fields(cls)}
+        gone = sorted(name for name, value in WITHDRAWN.items() if d.get(name, value) != value)
+        if gone:
+            raise ValueError(f"variant sets withdrawn parameter(s) {gone}: today's templates cannot render it")
         d = {**{p.name: p.default for p in PARAMS if p.default is not None}, **d}
         missing = names - d.keys()
         if missing:
@@ -264,8 +261,7 @@ class Variant:
         g2_text = (gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon
                    else gemm(g2, self.g2_pair_tail, self.g2_swap_tail))
         dynamic = " dynamic-walk" if self.dynamic_walk else ""
-        mlp = " fused-mlp" if self.fused_mlp else ""
-        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}{mlp}"
+        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
 
 
 def _next_pow2(n: int) -> int:
@@ -313,9 +309,6 @@ def violations(v: Variant, case: Case) -> list[str]:
         if swap and not (_swap_can_run(which)(v.as_dict(), case) and swap < v.block_m // 2):
             bad.append(f"g{which}_swap_tail runs a paired tail as a swapped dot narrower than block_m/2 rows: it "
                        f"needs g{which}_pair_tail and block_m >= 64, and fewer rows than block_m/2")
-    if v.fused_mlp and not _fused_mlp_can_run(v.as_dict(), case):
-        bad.append("fused_mlp runs the direct route's two GEMMs in one program by pointer loads: it needs direct, "
-                   "activation=fused and no weight TMA")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()
@@ -325,17 +318,6 @@ def violations(v: Variant, case: Case) -> list[str]:
         (1, s.I if fused_act else 2 * s.I, s.H, 2 if fused_act else 1),
         (2, s.H, s.I, 1),
     )
-    if v.fused_mlp:
-        # One kernel, g1's pipeline: GEMM1's stages, then GEMM2's share by [g1_block_n, g2_block_n] tiles
-        # of w2 (h stays in registers). The GEMM2 below is not launched.
-        g1, g2 = v.gemm(1), v.gemm(2)
-        need = max(_gemm_smem(v.block_m, g1["BLOCK_N"], g1["BLOCK_K"], g1["num_stages"], 2, s.elem_bytes),
-                   _gemm_smem(0, g2["BLOCK_N"], g1["BLOCK_N"], g1["num_stages"], 1, s.elem_bytes))
-        if need > smem:
-            bad.append(f"fused_mlp needs {need // 1024} KB shared memory > {smem // 1024} KB")
-        if g2["BLOCK_N"] > max(16, _next_pow2(s.H)):
-            bad.append(f"g2_block_n={g2['BLOCK_N']} exceeds H={s.H}")
-        gemms = gemms[:1]
     for which, n, k, b_tiles in gemms:
         g = v.gemm(which)
         if g["BLOCK_K"] > max(16, _next_pow2(k)):
@@ -432,12 +414,6 @@ def choices(p: Param, case: Case) -> tuple:
     return tuple(c for c in p.choices if c <= limit) or p.choices[:1]
 
 
-# What fused_mlp's one kernel does not read, set to fixed values: variants that differ only there
-# render the same source, so the tuner's cache answers them instead of timing them again.
-_FUSED_MLP_UNUSED = {"g1_group_m": 1, "g1_persistent": False, "g2_block_k": 32, "g2_group_m": 1,
-                     "g2_num_warps": 4, "g2_num_stages": 2, "g2_persistent": False}
-
-
 def suggest(trial, case: Case) -> Variant:
     """Ask an Optuna trial for a variant, define-by-run: every unconditional parameter, then each
     conditional one whose `when` holds for the answers so far (the rest keep their defaults), so the
@@ -447,8 +423,6 @@ def suggest(trial, case: Case) -> Variant:
         if p.when is not None:
             values[p.name] = (trial.suggest_categorical(p.name, choices(p, case)) if p.when(values, case)
                               else p.default)
-    if values["fused_mlp"]:
-        values.update(_FUSED_MLP_UNUSED)
     return Variant(**values)
 
 

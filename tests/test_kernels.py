@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import DEVICE, DTYPES, FORMS, small_variant
 
-from autotune import render, space
+from autotune import render
 from autotune.reference import BAR, error_stats, moe_reference
 from autotune.workloads import Case, Shape, make_tokens, make_weights
 
@@ -267,23 +267,3 @@ def test_swapped_tails_are_the_narrow_side_of_their_dot(form):
     assert (module.VARIANTS[0].g1_swap_tail, module.VARIANTS[0].g2_swap_tail) == (16, 16)
     for T in (140, 160):
         assert_matches(module, *inputs(E=4, T=T, dtype=DTYPES[0]))
-
-
-@pytest.mark.parametrize("shape", [dict(E=8, H=64, I=48, k=2), dict(E=6, H=80, I=40, k=3)])  # K and I tails
-def test_fused_direct_mlp_matches_the_reference(shape):
-    """fused_mlp: the direct route's GEMMs in one program per (slot, column chunk of I), fp32 shares of
-    each output row summed in a fixed order; ids -1 and >= E among the slots contribute nothing."""
-    v = dataclasses.replace(small_variant("direct"), fused_mlp=True)
-    assert "fused-mlp" in v.label and not space.violations(v, Case(Shape(**shape, dtype="float16"), 3))
-    module = render.load_source(render.render_variant(v))
-    assert module.VARIANTS[0].fused_mlp
-    for T in (1, 3):
-        x, w13, w2, w, ids = inputs(**shape, T=T, dtype=DTYPES[0])
-        assert_matches(module, x, w13, w2, w, ids)
-    module._MLP_REDUCE_CHUNKS = 1  # the reduce's loop over chunk tiles, one chunk a tile
-    assert_matches(module, x, w13, w2, w, ids)
-    ids[0, 0], ids[-1, -1] = -1, shape["E"] + 3  # an expert not on this device, and garbage
-    out = module.fused_experts(x, w13, w2, w, ids)
-    keep = (ids >= 0) & (ids < shape["E"])
-    ref = moe_reference(x, w13, w2, w * keep, ids.clamp(0, shape["E"] - 1))
-    assert not error_stats(out, ref).failures(BAR)

@@ -34,8 +34,6 @@ def every_form_module() -> str:
                                       g2_num_warps=8, g1_gluon=True, g2_gluon=True, dynamic_walk=True,
                                       half_tail=True)):
         rows.append(render.Row(2 ** len(rows), gluon))
-    # The fused direct MLP beside the direct forms above.
-    rows.append(render.Row(2 ** len(rows), dataclasses.replace(small_variant("direct", pdl=True), fused_mlp=True)))
     # Swapped tails beside pairs, on pointer rows and TMA rows (the TMA row box of 32 rows).
     for form, swap in ((("fused", "fused", False, False), 16), (("split", "fused", True, True), 32)):
         rows.append(render.Row(2 ** len(rows), dataclasses.replace(
@@ -107,7 +105,6 @@ def test_zipf_routing_is_skewed():
 def test_every_form_module_loads_with_each_rows_flags():
     """The variant table carries every flag its launcher reads (a missing field only fails at launch)."""
     module = render.load_source(every_form_module())
-    assert [row.dynamic_walk for row in module.VARIANTS][-5:-3] == [False, True]
-    assert module.VARIANTS[-4].g1_gluon and module.VARIANTS[-4].g2_gluon
-    assert [row.fused_mlp for row in module.VARIANTS][-4:] == [False, True, False, False]
+    assert [row.dynamic_walk for row in module.VARIANTS][-4:-2] == [False, True]
+    assert module.VARIANTS[-3].g1_gluon and module.VARIANTS[-3].g2_gluon
     assert [row.g1_swap_tail for row in module.VARIANTS][-3:] == [0, 16, 32]

@@ -166,16 +166,3 @@ def test_swapped_tails_are_wgmma_without_spills(swap):
         assert any(s.startswith("m64n") and s[4:].split("k")[0] == str(swap) for s in swapped.wgmma_shapes), swapped
         assert swapped.shared_bytes == pair.shared_bytes  # the tail's rows fit in the half tail's stages
     assert any("needs g1_pair_tail" in r for r in space.violations(dataclasses.replace(v, g1_pair_tail=False), case))
-
-
-def test_fused_direct_mlp_compiles_without_spills():
-    """T=1's shipped shape with fused_mlp (GEMM1 64-column tiles of I over 64-wide K steps, 8 warps,
-    5 stages; GEMM2's share in 128-wide chunks of H): one kernel, no spills, within shared memory."""
-    case = Case(SEED16_SHAPE, 1)
-    v = dataclasses.replace(small_variant("direct", bn=64, bk=64), g1_num_warps=8, g1_num_stages=5,
-                            g2_block_n=128, g2_block_k=128, pdl=True, fused_mlp=True)
-    assert not space.violations(v, case)
-    (report,) = sm90.gemm_reports(v, case)
-    assert report.name == "_mlp_direct" and report.spill_bytes in (0, None), report
-    assert report.shared_bytes <= 227 * 1024
-    assert any("needs direct" in r for r in space.violations(dataclasses.replace(v, direct=False), case))

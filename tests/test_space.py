@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import optuna
 import pytest
 from conftest import small_variant
 
@@ -49,6 +48,17 @@ def test_rows_recorded_before_a_parameter_existed_read_with_its_default():
     old = {k: v for k, v in small_variant().as_dict().items() if k not in ("g1_persistent", "g2_weight_tma")}
     v = space.Variant.from_dict(old)
     assert v.g1_persistent is False and v.g2_weight_tma is False
+
+
+def test_rows_of_a_withdrawn_parameter_read_only_at_its_remaining_value():
+    """A trial recorded while a withdrawn parameter existed reads as today's variant where it held the
+    value every variant now has, and refuses to read as a different kernel where it did not."""
+    name, value = next(iter(space.WITHDRAWN.items()))
+    assert name not in space.PARAM_BY_NAME
+    v = small_variant()
+    assert space.Variant.from_dict({**v.as_dict(), name: value}) == v
+    with pytest.raises(ValueError, match=name):
+        space.Variant.from_dict({**v.as_dict(), name: not value})
 
 
 def test_cli_space_lists_every_parameter(capsys):
@@ -179,17 +189,3 @@ def test_pair_tiles_are_asked_only_with_half_tails():
     small = Case(Shape(8, 64, 48, 2, "float16"), 37)
     assert not space.violations(v, small)
     assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), small))
-
-
-def test_fused_mlp_counts_its_one_kernel_and_fixes_what_it_does_not_read():
-    case = Case(SEED16_SHAPE, T=1)
-    v = dataclasses.replace(small_variant("direct"), fused_mlp=True, g1_block_n=128, g1_block_k=128, g1_num_stages=3,
-                            g2_block_n=256, g2_block_k=128, g2_num_stages=5)
-    # Its GEMM2 is no launch of its own: only w2's [g1_block_n, g2_block_n] tiles share g1's pipeline.
-    assert not space.violations(v, case)
-    assert any("GEMM2 needs" in r for r in space.violations(dataclasses.replace(v, fused_mlp=False), case))
-    wide = dataclasses.replace(v, g1_block_n=256, g1_block_k=32, g1_num_stages=5)
-    assert any("fused_mlp needs" in r for r in space.violations(wide, case))
-    # What the kernel does not read comes back fixed, so such variants render (and cache) as one.
-    fixed = space.suggest(optuna.trial.FixedTrial({**v.as_dict(), "g2_num_warps": 8}), case)
-    assert (fixed.g2_block_k, fixed.g2_num_warps, fixed.g2_num_stages, fixed.g1_block_n) == (32, 4, 2, 128)

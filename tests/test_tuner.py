@@ -340,6 +340,8 @@ def test_committed_studies_accept_todays_space(tmp_path):
             for t in optuna.load_study(study_name=summary.study_name, storage=url).get_trials(deepcopy=False):
                 seen.update(t.distributions)
             for name, dist in seen.items():
+                if name in space.WITHDRAWN:  # never asked again: the sampler leaves it be
+                    continue
                 assert tuple(dist.choices) == space.choices(space.PARAM_BY_NAME[name], case), \
                     (summary.study_name, name)
 
