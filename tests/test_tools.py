@@ -1,4 +1,4 @@
-"""tools/ab.py, as far as it runs without a GPU: which variants of a leader it would time."""
+"""tools/ab.py, same_ptx.py and padding.py, as far as they run without a GPU."""
 
 import importlib.util
 from pathlib import Path
@@ -43,3 +43,29 @@ def test_same_ptx_compares_code_not_where_it_came_from():
     assert same_ptx.code_lines(ptx.format("a", 97)) == same_ptx.code_lines(ptx.format("b", 98))
     assert "add.s32 %r1, %r2, %r3;" in same_ptx.code_lines(ptx.format("a", 97))
     assert same_ptx.main([]) == 2
+
+
+_spec_pad = importlib.util.spec_from_file_location("padding", Path(__file__).resolve().parent.parent / "tools" /
+                                                   "padding.py")
+padding = importlib.util.module_from_spec(_spec_pad)
+_spec_pad.loader.exec_module(padding)
+
+
+def test_balanced_routing_gives_every_expert_its_share_and_each_token_distinct_experts():
+    import torch
+
+    like = torch.zeros(1, dtype=torch.int64)
+    ids = padding.balanced_ids(T=96, k=8, E=256, like=like)
+    assert ids.shape == (96, 8) and ids.dtype == torch.int64
+    assert (ids.flatten().bincount(minlength=256) == 3).all()
+    assert all(len(set(row.tolist())) == 8 for row in ids)
+    # 3 slots per expert, padded to blocks of 4: 256 * 4 rows; blocks of 3: none padded.
+    assert padding.padded_rows(ids, 256, 4) == 1024 and padding.padded_rows(ids, 256, 3) == 768
+    with pytest.raises(ValueError, match="E >= k"):
+        padding.balanced_ids(T=2, k=8, E=4, like=like)
+
+
+@pytest.mark.skipif(padding.target.has_gpu(), reason="it times on this GPU instead")
+def test_padding_refuses_to_run_without_a_gpu(capsys):
+    assert padding.main(["8192"]) == 1
+    assert "GPU" in capsys.readouterr().out

@@ -1,0 +1,80 @@
+"""What an expert's padded rows cost: the emitted module on the suite's routing against a balanced one,
+on the GPU, in one process.
+
+    python tools/padding.py 4096,8192,16384 [MODULE.py]
+
+Balanced routing gives every expert exactly T*k/E slots (token t takes experts t*k .. t*k + k - 1,
+mod E: k distinct experts per token), so where T*k/E is a multiple of block_m no row block is
+padded. The two routings are timed in interleaved rounds (CUDA-graph replays, each after the tuner's
+settle), then each call's kernels are profiled once. The ratio bounds what any cut of the padding
+can buy at that T. MODULE defaults to the committed seed16 module; ROUNDS sets the rounds (default 5).
+"""
+
+import functools
+import importlib.util
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from autotune import target
+from autotune.timing import SETTLE_MS, kernel_breakdown, time_fn
+from autotune.workloads import SEED16_SHAPE, make_tokens, make_weights, suite
+
+_MODULE = Path(__file__).resolve().parent.parent / "kernels_generated" / "h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
+
+
+def balanced_ids(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
+    """[T, k] expert ids, k distinct per token (k <= E), every expert taking T*k/E slots when E divides T*k."""
+    if k > E:
+        raise ValueError(f"k={k} distinct experts per token needs E >= k (E={E})")
+    slots = torch.arange(T * k, device=like.device).view(T, k)
+    return (slots % E).to(like.dtype)
+
+
+def padded_rows(ids: torch.Tensor, E: int, block_m: int) -> int:
+    """Rows the GEMMs compute when each expert's slots are padded to whole blocks of block_m."""
+    counts = ids.flatten().bincount(minlength=E)
+    return int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location("moe_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str]) -> int:
+    if not target.has_gpu():
+        print("tools/padding.py times on the GPU; there is none here")
+        return 1
+    module = _load(Path(argv[1]) if len(argv) > 1 else _MODULE)
+    rounds = int(os.environ.get("ROUNDS", 5))
+    shape = SEED16_SHAPE
+    w13, w2 = make_weights(shape, target.device())
+    for T in (int(t) for t in argv[0].split(",")):
+        x, w, ids = make_tokens(suite(shape, [T])[0], target.device())
+        routings = {"suite": ids, "balanced": balanced_ids(T, shape.k, shape.E, ids)}
+        out = torch.empty_like(x)
+        calls = {name: functools.partial(module.fused_experts, x, w13, w2, w, r, out=out)
+                 for name, r in routings.items()}
+        samples = {name: [] for name in calls}
+        for _ in range(rounds):
+            for name, call in calls.items():
+                samples[name].append(time_fn(call, reps=5, settle_ms=SETTLE_MS).median_ms)
+        base = statistics.median(samples["suite"])
+        for name, call in calls.items():
+            ms = statistics.median(samples[name])
+            rows = padded_rows(routings[name], shape.E, 128)
+            kernels = kernel_breakdown(call, calls=3) or []
+            print(f"T={T:<6} {name:8s} {ms:8.4f} ms  x{ms / base:.3f}  rows at 128: x{rows / (T * shape.k):.3f}  "
+                  f"rounds {[round(s, 3) for s in samples[name]]}")
+            print("         " + ", ".join(f"{q['name'][:28]} {q['us']:.0f} us" for q in kernels[:5]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
