@@ -4,8 +4,9 @@ on the GPU, in one process.
     python tools/padding.py 4096,8192,16384 [MODULE.py]
 
 Balanced routing gives every expert exactly T*k/E slots (token t takes experts t*k .. t*k + k - 1,
-mod E: k distinct experts per token), so where T*k/E is a multiple of block_m no row block is
-padded. The two routings are timed in interleaved rounds (CUDA-graph replays, each after the tuner's
+mod E: k distinct experts per token), so where T*k/E is a multiple of the variant's block (or half
+of it, with half tails) no row block is padded; each line says how many rows the sorted route's
+GEMMs compute per slot. The two routings are timed in interleaved rounds (CUDA-graph replays, each after the tuner's
 settle), then each call's kernels are profiled once. The ratio bounds what any cut of the padding
 can buy at that T. MODULE defaults to the committed seed16 module; ROUNDS sets the rounds (default 5).
 """
@@ -34,10 +35,13 @@ def balanced_ids(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
     return (slots % E).to(like.dtype)
 
 
-def padded_rows(ids: torch.Tensor, E: int, block_m: int) -> int:
-    """Rows the GEMMs compute when each expert's slots are padded to whole blocks of block_m."""
+def padded_rows(ids: torch.Tensor, E: int, block_m: int, half_tail: bool = False) -> int:
+    """Rows a sorted route's GEMMs compute: each expert's slots padded to whole blocks of block_m, a
+    last block of at most block_m / 2 rows to half a block under half_tail."""
     counts = ids.flatten().bincount(minlength=E)
-    return int(((counts + block_m - 1) // block_m * block_m).sum())
+    tail = counts % block_m
+    last = torch.where(tail == 0, 0, torch.where(half_tail & (tail <= block_m // 2), block_m // 2, block_m))
+    return int((counts - tail + last).sum())
 
 
 def _load(path: Path):
@@ -66,12 +70,14 @@ def main(argv: list[str]) -> int:
             for name, call in calls.items():
                 samples[name].append(time_fn(call, reps=5, settle_ms=SETTLE_MS).median_ms)
         base = statistics.median(samples["suite"])
+        row = module.select_variant(T)
+        bm, half = row.block_m, getattr(row, "half_tail", False)
         for name, call in calls.items():
             ms = statistics.median(samples[name])
-            rows = padded_rows(routings[name], shape.E, 128)
+            rows = padded_rows(routings[name], shape.E, bm, half)
             kernels = kernel_breakdown(call, calls=3) or []
-            print(f"T={T:<6} {name:8s} {ms:8.4f} ms  x{ms / base:.3f}  rows at 128: x{rows / (T * shape.k):.3f}  "
-                  f"rounds {[round(s, 3) for s in samples[name]]}")
+            print(f"T={T:<6} {name:8s} {ms:8.4f} ms  x{ms / base:.3f}  rows computed (M{bm}{'/half' if half else ''}): "
+                  f"x{rows / (T * shape.k):.3f}  rounds {[round(s, 3) for s in samples[name]]}")
             print("         " + ", ".join(f"{q['name'][:28]} {q['us']:.0f} us" for q in kernels[:5]))
     return 0
 
