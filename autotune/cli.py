@@ -60,7 +60,7 @@ def cmd_tune(args) -> int:
     cfg = TuneConfig(storage_url=_url(args), trials=args.trials, time_budget_s=args.time_budget,
                      more=args.more, seed=args.seed, isolate=not args.in_process, reps=args.reps,
                      timeout_s=args.timeout, command=" ".join(sys.argv), probes=probes,
-                     retime=args.retime, settle_ms=args.settle_ms)
+                     retime=args.retime, settle_ms=args.settle_ms, neighbours=args.neighbours)
     best = tune(cases, cfg)
     for key, ms in best.items():
         print(f"{key}: leader {ms:.4f} ms")
@@ -262,6 +262,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true", help="no worker process (a GPU fault ends the run)")
     p.add_argument("--probe", action="append", default=[], metavar="PARAM=VALUE[,...]",
                    help="also try each case's best variant with these parameters set, first (repeatable)")
+    p.add_argument("--neighbours", action="store_true",
+                   help="also try each case's best variant moved one step in each parameter (the next choice either "
+                   "side, or the other flag), where unmeasured: a local search the sampler seldom does")
     p.add_argument("--retime", type=int, default=0, metavar="N",
                    help="first re-time each case's N best contenders (the leader first) in this run, so that "
                    "challengers meet them on one state of the GPU (default: 2 whenever the run measures anything), "

@@ -414,6 +414,28 @@ def choices(p: Param, case: Case) -> tuple:
     return tuple(c for c in p.choices if c <= limit) or p.choices[:1]
 
 
+def neighbours(v: Variant, case: Case) -> list[Variant]:
+    """The variants one step from `v` that can run `case`: each parameter moved to the next choice
+    either side (numeric choices are ordered), or to each other choice (flags and names), the rest
+    of `v` kept. A local search around a leader, which a sampler over the whole space seldom does
+    (NOTES 42)."""
+    out = []
+    for p in PARAMS:
+        options = choices(p, case)
+        current = getattr(v, p.name)
+        if current not in options:
+            continue
+        i = options.index(current)
+        ordered = all(isinstance(c, int) and not isinstance(c, bool) for c in options)
+        steps = [options[j] for j in (i - 1, i + 1) if 0 <= j < len(options)] if ordered else \
+            [c for c in options if c != current]
+        for value in steps:
+            n = Variant.from_dict({**v.as_dict(), p.name: value})
+            if not violations(n, case):
+                out.append(n)
+    return out
+
+
 def suggest(trial, case: Case) -> Variant:
     """Ask an Optuna trial for a variant, define-by-run: every unconditional parameter, then each
     conditional one whose `when` holds for the answers so far (the rest keep their defaults), so the

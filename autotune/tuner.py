@@ -45,6 +45,8 @@ class TuneConfig:
     command: str = ""
     # Each case's leader is also tried with each of these assignments (e.g. {"g1_weight_tma": True}).
     probes: tuple[dict, ...] = ()
+    # Also try each case's leader moved one step in each parameter (space.neighbours).
+    neighbours: bool = False
     # Re-time each case's n best contenders (emit.contenders: the leader first) in this run, so that
     # challengers meet them on one state of the GPU (its clock moves with load and temperature); and
     # as many of its fastest variants whose code changed since they were timed.
@@ -109,11 +111,14 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
         for v in space.starting_points(case):
             study.enqueue_trial(v.as_dict())
     # Leaders timed before the templates last changed (their new code is unmeasured), then the leader
-    # with each parameter added since it was measured set to its other values, then --probe's points.
+    # with each parameter added since it was measured set to its other values, then --probe's points,
+    # then (--neighbours) the leader's unmeasured neighbours; each point once.
     leader = emit.leader(session, fp.key, case)
     challengers = (emit.stale_leaders(session, fp.key, case, max(STALE_RETIME, cfg.retime))
                    + _new_dimension_probes(session, fp, case, leader)
-                   + _leader_probes(session, fp, case, leader, cfg.probes, log))
+                   + _leader_probes(session, fp, case, leader, cfg.probes, log)
+                   + (_neighbour_probes(session, fp, case, leader) if cfg.neighbours else []))
+    challengers = [c for i, c in enumerate(challengers) if c not in challengers[:i]]
     # Points an earlier run queued and did not reach (its time budget ran out) are asked first: they
     # are owed work too, and must not take the places of this run's.
     waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
@@ -247,6 +252,15 @@ def _leader_probes(session, fp, case, leader, assignments, log=lambda m: None) -
         if db.cached_result(session, fp.key, case.key, render.variant_hash(v)) is None:
             probes.append(v.as_dict())
     return probes
+
+
+def _neighbour_probes(session, fp, case, leader) -> list[dict]:
+    """--neighbours: the case's leader (what emit ships, None if none) moved one step in each
+    parameter (space.neighbours), where today's code for that point is unmeasured."""
+    if leader is None:
+        return []
+    return [v.as_dict() for v in space.neighbours(space.Variant.from_dict(leader.params), case)
+            if db.cached_result(session, fp.key, case.key, render.variant_hash(v)) is None]
 
 
 def _row(run, name, fp, case, trial, v, digest, status, error) -> dict:

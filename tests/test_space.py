@@ -189,3 +189,26 @@ def test_pair_tiles_are_asked_only_with_half_tails():
     small = Case(Shape(8, 64, 48, 2, "float16"), 37)
     assert not space.violations(v, small)
     assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), small))
+
+
+def test_neighbours_move_one_parameter_one_step():
+    """space.neighbours: each neighbour differs from the variant in one parameter, by one place among
+    that parameter's choices for the case where they are numbers, to any other value where they are
+    flags or names; every neighbour can run the case, and none is the variant itself."""
+    case = Case(SEED16_SHAPE, 2048)
+    v = dataclasses.replace(small_variant(block_m=64, bn=64, bk=64), g1_num_stages=3, g2_num_stages=3)
+    assert not space.violations(v, case)
+    found = space.neighbours(v, case)
+    assert found and v not in found and len(set(found)) == len(found)
+    moved = set()
+    for n in found:
+        (name,) = [p.name for p in space.PARAMS if getattr(n, p.name) != getattr(v, p.name)]
+        options = space.choices(space.PARAM_BY_NAME[name], case)
+        old, new = getattr(v, name), getattr(n, name)
+        if isinstance(old, int) and not isinstance(old, bool):
+            assert abs(options.index(new) - options.index(old)) == 1, name
+        assert not space.violations(n, case)
+        moved.add(name)
+    assert {"g1_num_stages", "g1_block_n", "pdl"} <= moved
+    # Both sides of a numeric choice where both can run: 3 stages has 2 and 4 beside it.
+    assert {n.g1_num_stages for n in found if n.g1_num_stages != v.g1_num_stages} == {2, 4}

@@ -253,6 +253,26 @@ def test_a_probed_case_has_its_leaders_retimed_beside_the_probe(tuned_db, tmp_pa
     assert any(t.params["g1_group_m"] == change["g1_group_m"] for t in timed)
 
 
+def test_neighbours_of_the_leader_are_each_measured_once(tuned_db, tmp_path):
+    """--neighbours queues the leader's unmeasured one-step neighbours (space.neighbours); after the run
+    every one of them has a result, and a second run finds none left to queue."""
+    from autotune import space, tuner
+
+    url = _copy_of(tuned_db[0], tmp_path)
+    case, fp = CASES[1], target.fingerprint()
+    with Session(db.connect(url)) as s:
+        leader = emit.leader(s, fp.key, case)
+        queued = tuner._neighbour_probes(s, fp, case, leader)
+        assert queued and all(space.violations(space.Variant.from_dict(q), case) == [] for q in queued)
+        assert len(queued) == len({render.variant_hash(space.Variant.from_dict(q)) for q in queued})
+    tune([case], TuneConfig(storage_url=url, more=0, isolate=False, reps=1, neighbours=True), log=lambda m: None)
+    with Session(db.connect(url)) as s:
+        for q in queued:
+            assert db.cached_result(s, fp.key, case.key, render.variant_hash(space.Variant.from_dict(q))), q
+        # Whatever leads now, the neighbours of the leader that was measured are all measured.
+        assert tuner._neighbour_probes(s, fp, case, leader) == []
+
+
 def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp_path):
     """A point left waiting in a study's queue (an earlier run's time budget ran out) is asked first;
     it is counted as owed work, so this run's own re-timings (the leader and runner-up, as the run
