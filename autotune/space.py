@@ -417,8 +417,9 @@ def choices(p: Param, case: Case) -> tuple:
 def neighbours(v: Variant, case: Case) -> list[Variant]:
     """The variants one step from `v` that can run `case`: each parameter moved to the next choice
     either side (numeric choices are ordered), or to each other choice (flags and names), the rest
-    of `v` kept. A local search around a leader, which a sampler over the whole space seldom does
-    (NOTES 42)."""
+    of `v` kept. A move that fits only with fewer pipeline stages (a larger tile) takes the most
+    stages that fit. A local search around a leader, which a sampler over the whole space seldom
+    does (NOTES 44)."""
     out = []
     for p in PARAMS:
         options = choices(p, case)
@@ -431,9 +432,24 @@ def neighbours(v: Variant, case: Case) -> list[Variant]:
             [c for c in options if c != current]
         for value in steps:
             n = Variant.from_dict({**v.as_dict(), p.name: value})
-            if not violations(n, case):
+            if violations(n, case) and not p.name.endswith("_num_stages"):
+                n = _with_fewer_stages(n, [1] if p.name.startswith("g1_") else [2] if p.name.startswith("g2_")
+                                       else [1, 2], case)
+            if n is not None and n != v and n not in out and not violations(n, case):
                 out.append(n)
     return out
+
+
+def _with_fewer_stages(v: Variant, gemms: list[int], case: Case) -> Variant | None:
+    """`v` with the given GEMMs' pipelines one, two, ... stages shorter, the first that can run `case`
+    (None if none can)."""
+    lowest = min(PARAM_BY_NAME["g1_num_stages"].choices)
+    for fewer in range(1, max(getattr(v, f"g{w}_num_stages") for w in gemms) - lowest + 1):
+        stages = {f"g{w}_num_stages": max(lowest, getattr(v, f"g{w}_num_stages") - fewer) for w in gemms}
+        n = Variant.from_dict({**v.as_dict(), **stages})
+        if not violations(n, case):
+            return n
+    return None
 
 
 def suggest(trial, case: Case) -> Variant:

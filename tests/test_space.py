@@ -194,21 +194,29 @@ def test_pair_tiles_are_asked_only_with_half_tails():
 def test_neighbours_move_one_parameter_one_step():
     """space.neighbours: each neighbour differs from the variant in one parameter, by one place among
     that parameter's choices for the case where they are numbers, to any other value where they are
-    flags or names; every neighbour can run the case, and none is the variant itself."""
+    flags or names, and in its GEMM's pipeline depth only where the move fits no other way; every
+    neighbour can run the case, and none is the variant itself."""
     case = Case(SEED16_SHAPE, 2048)
-    v = dataclasses.replace(small_variant(block_m=64, bn=64, bk=64), g1_num_stages=3, g2_num_stages=3)
+    v = dataclasses.replace(small_variant(block_m=64, bn=64, bk=64), g1_num_stages=5, g2_num_stages=3)
     assert not space.violations(v, case)
     found = space.neighbours(v, case)
     assert found and v not in found and len(set(found)) == len(found)
     moved = set()
     for n in found:
-        (name,) = [p.name for p in space.PARAMS if getattr(n, p.name) != getattr(v, p.name)]
+        changed = [p.name for p in space.PARAMS if getattr(n, p.name) != getattr(v, p.name)]
+        name = changed[0]
         options = space.choices(space.PARAM_BY_NAME[name], case)
         old, new = getattr(v, name), getattr(n, name)
         if isinstance(old, int) and not isinstance(old, bool):
             assert abs(options.index(new) - options.index(old)) == 1, name
+        if len(changed) > 1:  # a larger tile, with the most stages that fit
+            assert changed[1:] == ["g1_num_stages"] and n.g1_num_stages < v.g1_num_stages, changed
+            assert space.violations(dataclasses.replace(n, g1_num_stages=n.g1_num_stages + 1), case)
         assert not space.violations(n, case)
         moved.add(name)
     assert {"g1_num_stages", "g1_block_n", "pdl"} <= moved
     # Both sides of a numeric choice where both can run: 3 stages has 2 and 4 beside it.
-    assert {n.g1_num_stages for n in found if n.g1_num_stages != v.g1_num_stages} == {2, 4}
+    assert {n.g2_num_stages for n in found if n.g2_num_stages != v.g2_num_stages} == {2, 4}
+    # GEMM1's K step doubled needs more shared memory than 5 stages give: it comes with fewer.
+    (wider,) = [n for n in found if n.g1_block_k == 128]
+    assert 2 <= wider.g1_num_stages < 5
