@@ -432,10 +432,10 @@ def neighbours(v: Variant, case: Case) -> list[Variant]:
             [c for c in options if c != current]
         for value in steps:
             n = Variant.from_dict({**v.as_dict(), p.name: value})
-            if violations(n, case) and not p.name.endswith("_num_stages"):
-                n = _with_fewer_stages(n, [1] if p.name.startswith("g1_") else [2] if p.name.startswith("g2_")
-                                       else [1, 2], case)
-            if n is not None and n != v and n not in out and not violations(n, case):
+            if violations(n, case):
+                n = None if p.name.endswith("_num_stages") else _with_fewer_stages(
+                    n, [1] if p.name.startswith("g1_") else [2] if p.name.startswith("g2_") else [1, 2], case)
+            if n is not None and n != v and n not in out:
                 out.append(n)
     return out
 

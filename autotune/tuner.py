@@ -210,6 +210,11 @@ def trial_target(done: int, queued: int, cfg: TuneConfig) -> int:
     return max(cfg.trials, done + queued)
 
 
+def _unmeasured(session, fp, case, v: space.Variant) -> bool:
+    """Whether today's code for `v` has no result on `case` on this machine (a probe worth queueing)."""
+    return db.cached_result(session, fp.key, case.key, render.variant_hash(v)) is None
+
+
 def _new_dimension_probes(session, fp, case, leader) -> list[dict]:
     """The case's leader (what emit ships, None if none) with each parameter it predates set to that
     parameter's other values.
@@ -227,8 +232,7 @@ def _new_dimension_probes(session, fp, case, leader) -> list[dict]:
             if value == p.default:
                 continue
             v = space.Variant.from_dict({**leader.params, p.name: value})
-            digest = render.variant_hash(v)
-            if not space.violations(v, case) and db.cached_result(session, fp.key, case.key, digest) is None:
+            if not space.violations(v, case) and _unmeasured(session, fp, case, v):
                 probes.append(v.as_dict())
     return probes
 
@@ -249,7 +253,7 @@ def _leader_probes(session, fp, case, leader, assignments, log=lambda m: None) -
             continue
         if v.as_dict() in probes:
             continue
-        if db.cached_result(session, fp.key, case.key, render.variant_hash(v)) is None:
+        if _unmeasured(session, fp, case, v):
             probes.append(v.as_dict())
     return probes
 
@@ -260,7 +264,7 @@ def _neighbour_probes(session, fp, case, leader) -> list[dict]:
     if leader is None:
         return []
     return [v.as_dict() for v in space.neighbours(space.Variant.from_dict(leader.params), case)
-            if db.cached_result(session, fp.key, case.key, render.variant_hash(v)) is None]
+            if _unmeasured(session, fp, case, v)]
 
 
 def _row(run, name, fp, case, trial, v, digest, status, error) -> dict:

@@ -8,11 +8,10 @@ mod E: k distinct experts per token), so where T*k/E is a multiple of the varian
 of it, with half tails) no row block is padded; each line says how many rows the sorted route's
 GEMMs compute per slot. The two routings are timed in interleaved rounds (CUDA-graph replays, each after the tuner's
 settle), then each call's kernels are profiled once. The ratio bounds what any cut of the padding
-can buy at that T. MODULE defaults to the committed seed16 module; ROUNDS sets the rounds (default 5).
+can buy at that T. MODULE defaults to this GPU's emitted seed16 module; ROUNDS sets the rounds (default 5).
 """
 
 import functools
-import importlib.util
 import os
 import statistics
 import sys
@@ -20,11 +19,9 @@ from pathlib import Path
 
 import torch
 
-from autotune import target
+from autotune import emit, render, target
 from autotune.timing import SETTLE_MS, kernel_breakdown, time_fn
 from autotune.workloads import SEED16_SHAPE, make_tokens, make_weights, suite
-
-_MODULE = Path(__file__).resolve().parent.parent / "kernels_generated" / "h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
 
 
 def balanced_ids(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
@@ -44,20 +41,14 @@ def padded_rows(ids: torch.Tensor, E: int, block_m: int, half_tail: bool = False
     return int((counts - tail + last).sum())
 
 
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location("moe_module", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main(argv: list[str]) -> int:
     if not target.has_gpu():
         print("tools/padding.py times on the GPU; there is none here")
         return 1
-    module = _load(Path(argv[1]) if len(argv) > 1 else _MODULE)
-    rounds = int(os.environ.get("ROUNDS", 5))
     shape = SEED16_SHAPE
+    module = render.load_path(Path(argv[1]) if len(argv) > 1 else
+                              emit.OUT_DIR / f"{emit.default_name(target.fingerprint().key, shape.key)}.py")
+    rounds = int(os.environ.get("ROUNDS", 5))
     w13, w2 = make_weights(shape, target.device())
     for T in (int(t) for t in argv[0].split(",")):
         x, w, ids = make_tokens(suite(shape, [T])[0], target.device())
