@@ -123,6 +123,9 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         gluon_gemm1_gather=gluon_gemm1_gather,
         g1_tma_store=any(r.v.g1_tma_store for r in rows),
         sorted_out=any(r.v.g2_sorted_out for r in rows),
+        token_permute=any(r.v.permute_by_token for r in rows),
+        # Dispatch writes each slot's sorted position for a sorted-out GEMM2 and for a token-walking permutation.
+        slot_pos=any(r.v.g2_sorted_out or r.v.permute_by_token for r in rows),
         gluon_gemm2=gluon_gemm2,
         # Gluon GEMMs with half tails: a tile helper of the row count, and GEMM1's loader reorders the columns.
         g1_gluon_half=any(r.v.g1_gluon and r.v.half_tail for r in rows),

@@ -152,6 +152,11 @@ PARAMS: tuple[Param, ...] = (
           default=0, when=_swap_can_run(1)),
     Param("g2_swap_tail", (0, 16, 32), "the same swapped tail in the triton GEMM2 (with g2_pair_tail)", default=0,
           when=_swap_can_run(2)),
+    Param("permute_by_token", (False, True),
+          "split dispatch's permutation walks tokens: each program reads a token row once and writes it to its "
+          "k expert-order positions (dispatch also writes each slot's position), instead of each row block "
+          "gathering its rows, which reads a token's row once per expert it goes to (k times where L2 misses)",
+          default=False, when=lambda v, case: v["dispatch"] == "split"),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -201,6 +206,7 @@ class Variant:
     g2_pair_tail: bool = False
     g1_swap_tail: int = 0
     g2_swap_tail: int = 0
+    permute_by_token: bool = False
 
     @property
     def route(self) -> str:
@@ -261,7 +267,8 @@ class Variant:
         g2_text = (gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon
                    else gemm(g2, self.g2_pair_tail, self.g2_swap_tail))
         dynamic = " dynamic-walk" if self.dynamic_walk else ""
-        return f"{self.route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
+        route = f"{self.route}-by-token" if self.permute_by_token else self.route
+        return f"{route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
 
 
 def _next_pow2(n: int) -> int:
@@ -295,6 +302,8 @@ def violations(v: Variant, case: Case) -> list[str]:
         bad.append("g1_tma_store is the Gluon GEMM1's epilogue: it needs g1_gluon")
     if v.g1_tma_store and (s.I * s.elem_bytes) % 16:
         bad.append(f"g1_tma_store writes h rows by TMA, which needs 16-byte rows; I={s.I} is not")
+    if v.permute_by_token and v.dispatch != "split":
+        bad.append("permute_by_token is split dispatch's permutation: it needs dispatch=split")
     if v.g2_sorted_out and not v.g2_gluon:
         bad.append("g2_sorted_out is the Gluon GEMM2's epilogue: it needs g2_gluon")
     if v.g2_sorted_out and (s.H * s.elem_bytes) % 16:

@@ -91,6 +91,13 @@ VARIANTS = {
     "fused/fused half pair swap persistent": Variant("fused", "fused", 128, 64, 64, 8, 8, 3, 128, 64, 8, 8, 3,
                                                      False, True, False, True, half_tail=True, g1_pair_tail=True,
                                                      g2_pair_tail=True, g1_swap_tail=16, g2_swap_tail=32),
+    # Split dispatch's permutation by token: alone, and sharing slot_pos with the sorted-out Gluon GEMM2.
+    "split/fused tma half pair by-token": Variant("split", "fused", 128, 128, 64, 1, 8, 4, 256, 64, 1, 8, 4, True, True,
+                                                  half_tail=True, g1_pair_tail=True, g2_pair_tail=True,
+                                                  permute_by_token=True),
+    "split/fused gluon g1 g2 tma-store sorted-out by-token": Variant(
+        "split", "fused", 128, 128, 64, 8, 8, 4, 256, 64, 8, 8, 3, True, True, True, True, g1_gluon=True,
+        g2_gluon=True, g1_tma_store=True, g2_sorted_out=True, permute_by_token=True),
 }
 
 

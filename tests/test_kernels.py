@@ -151,8 +151,9 @@ class TestEdgeCases:
     # The sorted dispatch, and the direct one that reads topk_ids in the GEMMs themselves.
     @pytest.fixture(params=[("fused", "fused", False, False), ("direct", "fused", False, False),
                             ("split", "fused", True, True, True), ("split", "fused", True, True, True, True),
-                            ("fused", "fused", False, False, True, False, True)],
-                    ids=["sorted", "direct", "half_tail", "tail_walk", "pair_tail"])
+                            ("fused", "fused", False, False, True, False, True),
+                            ("split", "fused", False, False, False, False, False, True)],
+                    ids=["sorted", "direct", "half_tail", "tail_walk", "pair_tail", "by_token"])
     def module(self, form_modules, request):
         return form_modules[request.param]
 
