@@ -191,6 +191,16 @@ def test_pair_tiles_are_asked_only_with_half_tails():
     assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), small))
 
 
+def test_permutation_by_token_is_split_dispatchs():
+    case = Case(SEED16_SHAPE, T=4096)
+    when = space.PARAM_BY_NAME["permute_by_token"].when
+    answers = small_variant("split").as_dict()
+    assert when(answers, case) and not when({**answers, "dispatch": "fused"}, case)
+    v = small_variant("split", by_token=True)
+    assert v.label.startswith("split-by-token/") and not space.violations(v, case)
+    assert any("needs dispatch=split" in r for r in space.violations(dataclasses.replace(v, dispatch="fused"), case))
+
+
 def test_neighbours_move_one_parameter_one_step():
     """space.neighbours: each neighbour differs from the variant in one parameter, by one place among
     that parameter's choices for the case where they are numbers, to any other value where they are
