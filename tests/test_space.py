@@ -230,3 +230,21 @@ def test_neighbours_move_one_parameter_one_step():
     # GEMM1's K step doubled needs more shared memory than 5 stages give: it comes with fewer.
     (wider,) = [n for n in found if n.g1_block_k == 128]
     assert 2 <= wider.g1_num_stages < 5
+
+
+def test_neighbours_of_a_gluon_leader_are_listed_on_a_gpu(monkeypatch):
+    """A Gluon variant can run only on a GPU, so on the CPU its neighbours are none (every one needs a
+    GPU); with one they are its stage, tile order, walk and epilogue moves (NOTES 45)."""
+    case = Case(SEED16_SHAPE, 16384)
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=64, bk=64),
+                            g1_num_warps=8, g2_block_n=256, g2_num_warps=8, g1_num_stages=4, g2_num_stages=3,
+                            g1_group_m=8, g2_group_m=16, g1_gluon=True, g2_gluon=True, g1_tma_store=True,
+                            g2_sorted_out=True)
+    monkeypatch.setattr(space.target, "has_gpu", lambda: True)
+    monkeypatch.setattr(space.target, "smem_bytes", lambda: space.target.DEFAULT_SMEM_BYTES)  # Hopper's
+    assert not space.violations(v, case)
+    moved = {p.name for n in space.neighbours(v, case) for p in space.PARAMS
+             if getattr(n, p.name) != getattr(v, p.name)}
+    assert {"g1_num_stages", "g2_group_m", "dynamic_walk", "g1_tma_store", "g2_sorted_out"} <= moved
+    monkeypatch.setattr(space.target, "has_gpu", lambda: False)
+    assert space.neighbours(v, case) == []
