@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict
 from datetime import datetime, timezone
 
-from . import target
+from . import space, target
 from .ceilings import SUSTAINED_CALLS, Ceilings, floor_ms, free_gpu_memory, measure_ceilings
 from .peers import PEERS, Peer
 from .reference import error_stats, moe_reference
@@ -62,8 +62,9 @@ def _measure(fn, args, ref_TH, case: Case, floor: float, bytes_moved: int, *, gr
     return entry
 
 
-def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, reps, warmup) -> dict:
-    """One row: reference, experts touched, floor, then ours and each peer checked and timed."""
+def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, reps, warmup, variant_for=None) -> dict:
+    """One row: reference, experts touched, floor, then ours and each peer checked and timed (and,
+    given the variant that serves T, the rows each of our GEMMs computes)."""
     x_TH, w_TK, ids_TK = make_tokens(case, target.device())
     args = (x_TH, w13_EnH, w2_EHI, w_TK, ids_TK)
     ref_TH = moe_reference(*args)
@@ -74,6 +75,8 @@ def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, reps, war
     measure = lambda fn, graph: _measure(fn, args, ref_TH, case, floor, nbytes, graph=graph, reps=reps,
                                          warmup=warmup)
     row["ours"] = measure(fused_experts, True)
+    if variant_for is not None:
+        row["ours"]["rows_computed"] = list(space.rows_computed(variant_for(case.T), ids_TK, case.shape.E))
     row["peers"] = {}
     for peer in peers:
         entry = measure(peer.fn, peer.graph_safe)
@@ -114,8 +117,10 @@ def _progress(i: int, n: int, row: dict) -> None:
 
 
 def run_bench(fused_experts, cases: list[Case], *, peers: bool = True, ceilings: Ceilings | None = None,
-              reps: int = 20, warmup: int = 3) -> dict:
+              reps: int = 20, warmup: int = 3, variant_for=None) -> dict:
     """Benchmark `fused_experts` (the op's signature) on `cases` against the floor and the peers.
+    `variant_for(T)`, where given (an emitted module's select_variant), names the variant that serves
+    T, so that each row also records the rows our GEMMs compute (space.rows_computed).
 
     Weights: make_weights(shape, device, seed=0), once per Shape; tokens: make_tokens(case). Every
     output is checked against moe_reference before it is timed. Returns a JSON-serialisable dict:
@@ -127,7 +132,8 @@ def run_bench(fused_experts, cases: list[Case], *, peers: bool = True, ceilings:
     for shape in dict.fromkeys(c.shape for c in cases):
         w13_EnH, w2_EHI = make_weights(shape, target.device(), seed=0)
         for case in (c for c in cases if c.shape == shape):
-            rows.append(_bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, used, reps, warmup))
+            rows.append(_bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, used, reps, warmup,
+                                    variant_for))
             _progress(len(rows), len(cases), rows[-1])
         del w13_EnH, w2_EHI
         free_gpu_memory()
@@ -156,6 +162,29 @@ def format_kernels(result: dict, top: int = 4) -> str:
             parts.append(f"other {rest:.1f}")
         lines.append(f"T={row['T']:<6} kernels {total:9.1f} us (graph {row['ours']['ms'] * 1e3:9.1f}): "
                      + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def format_gemm_rates(result: dict) -> str:
+    """Per case, each GEMM's profiled time and its matrix rate on the rows it computes (padding
+    included), with the rate on the rows the op needs (T*k) in brackets: how much of a GEMM's gap to
+    the ceiling is padding and how much is the kernel. Cases without a profile or row counts are left
+    out."""
+    lines = []
+    for row in result["cases"]:
+        ours, shape = row["ours"], row["case"]["shape"]
+        kernels, computed = ours.get("kernels"), ours.get("rows_computed")
+        if not kernels or not computed:
+            continue
+        needed = row["T"] * shape["k"]
+        parts = [f"T={row['T']:<6} rows x{computed[0] / needed:.3f} / x{computed[1] / needed:.3f}"]
+        for which, rows, n in ((1, computed[0], 2 * shape["I"]), (2, computed[1], shape["H"])):
+            us = sum(k["us"] for k in kernels if k["name"].lstrip("_").startswith(f"gemm{which}"))
+            if us:
+                k_dim = shape["H"] if which == 1 else shape["I"]
+                rate = 2 * n * k_dim / (us * 1e-6) / 1e12
+                parts.append(f"GEMM{which} {us:.0f} us {rate * rows:.0f} TFLOP/s ({rate * needed:.0f})")
+        lines.append("  ".join(parts))
     return "\n".join(lines)
 
 

@@ -118,7 +118,8 @@ def cmd_bench(args) -> int:
     _announce_cpu("the benchmark")
     path = _module_path(args, cases)
     module = render.load_path(path)
-    result = bench.run_bench(module.fused_experts, cases, peers=not args.no_peers)
+    result = bench.run_bench(module.fused_experts, cases, peers=not args.no_peers,
+                             variant_for=getattr(module, "select_variant", None))
     result["module"] = str(path)
     print(bench.format_table(result))
     sustained = bench.format_sustained(result)
@@ -127,6 +128,10 @@ def cmd_bench(args) -> int:
     kernels = bench.format_kernels(result)
     if kernels:
         print("\nWhere our time goes (device time per call, profiled outside a CUDA graph):\n" + kernels)
+    rates = bench.format_gemm_rates(result)
+    if rates:
+        print("\nEach GEMM on the rows it computes, padding included (in brackets: on the T*k rows the op needs;"
+              "\nthe profile's times, so a kernel launched early under PDL counts its wait):\n" + rates)
     json_path = Path(args.json) if args.json else path.with_suffix(".bench.json")
     bench.write_json(result, json_path)
     print(f"wrote {json_path}")

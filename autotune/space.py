@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
+import torch
+
 from . import target
 from .workloads import Case
 
@@ -269,6 +271,31 @@ class Variant:
         dynamic = " dynamic-walk" if self.dynamic_walk else ""
         route = f"{self.route}-by-token" if self.permute_by_token else self.route
         return f"{route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
+
+
+def rows_computed(v, ids: torch.Tensor, num_experts: int) -> tuple[int, int]:
+    """The rows GEMM1 and GEMM2 compute for routing `ids` under `v` (a Variant, or an emitted module's
+    table row): each expert's slots padded to whole blocks of block_m; under half_tail a last block of
+    at most block_m / 2 rows at half height, or, paired behind a full block with a swapped tail of at
+    least its rows (g1_swap_tail, g2_swap_tail), at the swap's width; on the direct route a block per
+    routed slot. Against T*k, the rows the op needs, this is the padding's share of the tensor work."""
+    ids = ids.flatten()
+    routed = ids[(ids >= 0) & (ids < num_experts)]
+    bm = v.block_m
+    if getattr(v, "route", v.dispatch) == "direct":
+        return (routed.numel() * bm,) * 2
+    counts = routed.bincount(minlength=num_experts)
+    tail = counts % bm
+    out = []
+    for which in (1, 2):
+        last = torch.where(tail == 0, 0, bm)
+        if getattr(v, "half_tail", False):
+            last = torch.where((tail > 0) & (tail <= bm // 2), bm // 2, last)
+            swap = getattr(v, f"g{which}_swap_tail", 0) if getattr(v, f"g{which}_pair_tail", False) else 0
+            if swap:
+                last = torch.where((tail > 0) & (tail <= swap) & (counts > bm), swap, last)
+        out.append(int((counts - tail + last).sum()))
+    return out[0], out[1]
 
 
 def _next_pow2(n: int) -> int:

@@ -14,8 +14,9 @@ if not torch.cuda.is_available():
 import json  # noqa: E402
 
 import pytest  # noqa: E402
+from conftest import small_variant  # noqa: E402
 
-from autotune import bench, ceilings, peers, target, timing, wsgemm  # noqa: E402
+from autotune import bench, ceilings, peers, space, target, timing, wsgemm  # noqa: E402
 from autotune.reference import error_stats, moe_reference  # noqa: E402
 from autotune.workloads import DEMO_SHAPE, SEED16_SHAPE, Case, Shape, make_tokens, make_weights  # noqa: E402
 
@@ -232,6 +233,28 @@ def test_format_sustained_reads_the_compute_bound_cases_against_the_sustained_ra
     assert "680 TFLOP/s" in text and "1980 -> 1470 MHz" in text and "ceiling's 800" in text
     assert text.endswith("against it: T=32768 85.0%.")
     assert bench.format_sustained({"ceilings": {**measured, "sustained_matmul_flops_per_s": None}, "cases": []}) == ""
+
+
+def test_format_gemm_rates_splits_padding_from_the_kernel():
+    """T=8192 of seed16 as benched at 21:22 (NOTES 47): 65536 rows needed, 82048 computed."""
+    case = Case(SEED16_SHAPE, 8192).as_dict()
+    kernels = [{"name": "_gemm1_grouped_swiglu_tma", "us": 4166.0, "launches": 1.0},
+               {"name": "_gemm2_weighted_tma_persistent", "us": 2059.0, "launches": 1.0},
+               {"name": "_permute_rows_kernel", "us": 167.0, "launches": 1.0}]
+    row = {"T": 8192, "case": case, "ours": {"kernels": kernels, "rows_computed": [82048, 82048]}}
+    text = bench.format_gemm_rates({"cases": [row, {"T": 1, "case": case, "ours": {"kernels": None}}]})
+    assert text == ("T=8192   rows x1.252 / x1.252  GEMM1 4166 us 661 TFLOP/s (528)  "
+                    "GEMM2 2059 us 669 TFLOP/s (534)")
+
+
+def test_bench_records_the_rows_each_gemm_computes():
+    """Given the serving variant per T, each row records space.rows_computed on the case's own routing."""
+    v = small_variant(block_m=16)
+    result = bench.run_bench(peers.grouped_mm_pipeline, [Case(DEMO_SHAPE, 33, seed=33)], peers=False,
+                             ceilings=REF_CEILINGS, reps=1, warmup=0, variant_for=lambda T: v)
+    _, _, ids = make_tokens(Case(DEMO_SHAPE, 33, seed=33), target.device())
+    assert result["cases"][0]["ours"]["rows_computed"] == list(space.rows_computed(v, ids, DEMO_SHAPE.E))
+    assert result["cases"][0]["ours"]["rows_computed"][0] >= 33 * DEMO_SHAPE.k
 
 
 @gpu

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 from conftest import small_variant
 
 from autotune import cli, space, target
@@ -248,3 +249,21 @@ def test_neighbours_of_a_gluon_leader_are_listed_on_a_gpu(monkeypatch):
     assert {"g1_num_stages", "g2_group_m", "dynamic_walk", "g1_tma_store", "g2_sorted_out"} <= moved
     monkeypatch.setattr(space.target, "has_gpu", lambda: False)
     assert space.neighbours(v, case) == []
+
+
+def test_rows_computed_counts_each_gemms_padded_rows():
+    """Whole blocks per expert; a half tail at half height; a paired tail under a swap at the swap's
+    width (only behind a full block); the direct route a block per routed slot. Out-of-range ids count
+    for nothing."""
+    ids = torch.tensor([0] * 10 + [1] * 7 + [2] * 2 + [-1, 9])
+    # blocks of 4: expert 0 4 + 4 + a tail of 2, expert 1 4 + a tail of 3, expert 2 one tail of 2.
+    assert space.rows_computed(small_variant(block_m=4), ids, 3) == (24, 24)
+    half = small_variant(block_m=4, half_tail=True)
+    assert space.rows_computed(half, ids, 3) == (20, 20)  # tails of 2 at height 2
+    swapped = dataclasses.replace(small_variant(block_m=8, half_tail=True, pair_tail=True), g1_swap_tail=2)
+    # blocks of 8: expert 0 8 + a paired tail of 2 (GEMM1: the swap's 2; GEMM2: half height, 4),
+    # expert 1 one block of 7 (8), expert 2 a lone tail of 2 (4 either way: no block to pair with).
+    assert space.rows_computed(swapped, ids, 3) == (22, 24)
+    assert space.rows_computed(small_variant("direct"), ids, 3) == (19 * 16, 19 * 16)
+    balanced = torch.arange(96 * 8).view(96, 8) % 256  # 3 slots per expert
+    assert space.rows_computed(small_variant(block_m=4), balanced, 256)[0] == 1024

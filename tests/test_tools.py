@@ -59,11 +59,6 @@ def test_balanced_routing_gives_every_expert_its_share_and_each_token_distinct_e
     assert ids.shape == (96, 8) and ids.dtype == torch.int64
     assert (ids.flatten().bincount(minlength=256) == 3).all()
     assert all(len(set(row.tolist())) == 8 for row in ids)
-    # 3 slots per expert, padded to blocks of 4: 256 * 4 rows; blocks of 3: none padded.
-    assert padding.padded_rows(ids, 256, 4) == 1024 and padding.padded_rows(ids, 256, 3) == 768
-    # 10 slots in blocks of 4 (4 + 4 + a tail of 2): 12 rows, 10 with half tails; 7 slots: 8 either way.
-    uneven = torch.tensor([0] * 10 + [1] * 7)
-    assert padding.padded_rows(uneven, 2, 4) == 20 and padding.padded_rows(uneven, 2, 4, half_tail=True) == 18
     with pytest.raises(ValueError, match="E >= k"):
         padding.balanced_ids(T=2, k=8, E=4, like=like)
 

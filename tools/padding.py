@@ -6,9 +6,10 @@ on the GPU, in one process.
 Balanced routing gives every expert exactly T*k/E slots (token t takes experts t*k .. t*k + k - 1,
 mod E: k distinct experts per token), so where T*k/E is a multiple of the variant's block (or half
 of it, with half tails) no row block is padded; each line says how many rows the sorted route's
-GEMMs compute per slot. The two routings are timed in interleaved rounds (CUDA-graph replays, each after the tuner's
-settle), then each call's kernels are profiled once. The ratio bounds what any cut of the padding
-can buy at that T. MODULE defaults to this GPU's emitted seed16 module; ROUNDS sets the rounds (default 5).
+GEMM1 / GEMM2 compute per slot (space.rows_computed). The two routings are timed in interleaved
+rounds (CUDA-graph replays, each after the tuner's settle), then each call's kernels are profiled
+once. The ratio bounds what any cut of the padding can buy at that T. MODULE defaults to this GPU's
+emitted seed16 module; ROUNDS sets the rounds (default 5).
 """
 
 import functools
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from autotune import emit, render, target
+from autotune import emit, render, space, target
 from autotune.timing import SETTLE_MS, kernel_breakdown, time_fn
 from autotune.workloads import SEED16_SHAPE, make_tokens, make_weights, suite
 
@@ -30,15 +31,6 @@ def balanced_ids(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"k={k} distinct experts per token needs E >= k (E={E})")
     slots = torch.arange(T * k, device=like.device).view(T, k)
     return (slots % E).to(like.dtype)
-
-
-def padded_rows(ids: torch.Tensor, E: int, block_m: int, half_tail: bool = False) -> int:
-    """Rows a sorted route's GEMMs compute: each expert's slots padded to whole blocks of block_m, a
-    last block of at most block_m / 2 rows to half a block under half_tail."""
-    counts = ids.flatten().bincount(minlength=E)
-    tail = counts % block_m
-    last = torch.where(tail == 0, 0, torch.where(half_tail & (tail <= block_m // 2), block_m // 2, block_m))
-    return int((counts - tail + last).sum())
 
 
 def main(argv: list[str]) -> int:
@@ -62,13 +54,14 @@ def main(argv: list[str]) -> int:
                 samples[name].append(time_fn(call, reps=5, settle_ms=SETTLE_MS).median_ms)
         base = statistics.median(samples["suite"])
         row = module.select_variant(T)
-        bm, half = row.block_m, getattr(row, "half_tail", False)
+        form = f"M{row.block_m}{'/half' if getattr(row, 'half_tail', False) else ''}"
         for name, call in calls.items():
             ms = statistics.median(samples[name])
-            rows = padded_rows(routings[name], shape.E, bm, half)
+            rows1, rows2 = space.rows_computed(row, routings[name], shape.E)
             kernels = kernel_breakdown(call, calls=3) or []
-            print(f"T={T:<6} {name:8s} {ms:8.4f} ms  x{ms / base:.3f}  rows computed (M{bm}{'/half' if half else ''}): "
-                  f"x{rows / (T * shape.k):.3f}  rounds {[round(s, 3) for s in samples[name]]}")
+            print(f"T={T:<6} {name:8s} {ms:8.4f} ms  x{ms / base:.3f}  rows computed ({form}): "
+                  f"x{rows1 / (T * shape.k):.3f} / x{rows2 / (T * shape.k):.3f}  "
+                  f"rounds {[round(s, 3) for s in samples[name]]}")
             print("         " + ", ".join(f"{q['name'][:28]} {q['us']:.0f} us" for q in kernels[:5]))
     return 0
 
