@@ -178,10 +178,11 @@ def format_gemm_rates(result: dict) -> str:
             continue
         needed = row["T"] * shape["k"]
         parts = [f"T={row['T']:<6} rows x{computed[0] / needed:.3f} / x{computed[1] / needed:.3f}"]
-        for which, rows, n in ((1, computed[0], 2 * shape["I"]), (2, computed[1], shape["H"])):
+        # GEMM1: [rows, H] x [H, 2I]; GEMM2: [rows, I] x [I, H].
+        for which, rows, n, k_dim in ((1, computed[0], 2 * shape["I"], shape["H"]),
+                                      (2, computed[1], shape["H"], shape["I"])):
             us = sum(k["us"] for k in kernels if k["name"].lstrip("_").startswith(f"gemm{which}"))
             if us:
-                k_dim = shape["H"] if which == 1 else shape["I"]
                 rate = 2 * n * k_dim / (us * 1e-6) / 1e12
                 parts.append(f"GEMM{which} {us:.0f} us {rate * rows:.0f} TFLOP/s ({rate * needed:.0f})")
         lines.append("  ".join(parts))

@@ -85,7 +85,7 @@ def _module_path(args, cases) -> Path:
 
     if args.module:
         return Path(args.module)
-    return emit.OUT_DIR / f"{emit.default_name(target.fingerprint().key, cases[0].shape.key)}.py"
+    return emit.module_path(target.fingerprint().key, cases[0].shape.key)
 
 
 def cmd_check(args) -> int:

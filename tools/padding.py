@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
         return 1
     shape = SEED16_SHAPE
     module = render.load_path(Path(argv[1]) if len(argv) > 1 else
-                              emit.OUT_DIR / f"{emit.default_name(target.fingerprint().key, shape.key)}.py")
+                              emit.module_path(target.fingerprint().key, shape.key))
     rounds = int(os.environ.get("ROUNDS", 5))
     w13, w2 = make_weights(shape, target.device())
     for T in (int(t) for t in argv[0].split(",")):
