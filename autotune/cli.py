@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 
-def _cases(args, compile_only: bool = False):
-    """The cases the options name; bf16 is refused without a GPU unless nothing will run."""
+def _cases(args, kernels_run: bool = True):
+    """The cases the options name; bf16 is refused without a GPU where kernels will run on them."""
     from . import workloads
 
     if args.shape:
@@ -22,7 +22,7 @@ def _cases(args, compile_only: bool = False):
         shape, tokens = workloads.DEMO_SHAPE, workloads.DEMO_TOKENS
     if args.tokens:
         tokens = workloads.parse_tokens(args.tokens)
-    if not _gpu() and shape.dtype == "bfloat16" and not compile_only:
+    if not _gpu() and shape.dtype == "bfloat16" and kernels_run:
         raise SystemExit("error: bf16 cannot run here: triton's interpreter returns garbage for bf16 tl.dot; "
                          "pass --dtype float16 (or float32) on a machine without a GPU")
     return workloads.suite(shape, tokens, args.routing)
@@ -72,7 +72,7 @@ def cmd_emit(args) -> int:
 
     from . import db, emit, target
 
-    cases = _cases(args)
+    cases = _cases(args, kernels_run=False)
     with Session(db.connect(_url(args))) as session:
         path = emit.emit(session, args.fingerprint or target.fingerprint().key, cases, args.name,
                          Path(args.out_dir) if args.out_dir else emit.OUT_DIR)
@@ -205,7 +205,7 @@ def _print_hill(steps, case_key: str) -> None:
 def cmd_space(args) -> int:
     from . import space, workloads
 
-    case = _cases(args)[0] if args.shape else None
+    case = _cases(args, kernels_run=False)[0] if args.shape else None
     print(f"{'parameter':<16} {'choices':<28} what it is for")
     for p in space.PARAMS:
         values = space.choices(p, case) if case else p.choices
@@ -225,7 +225,7 @@ def cmd_sm90(args) -> int:
     print(f"{'case':<12} {'kernel':<38} {'smem KB':>8} {'regs':>5} {'local B':>8} {'wgmma':>6} {'tma':>4} "
           f"{'cp.async':>8}  wgmma shape")
     with Session(db.connect(_url(args))) as session:
-        for case in _cases(args, compile_only=True):
+        for case in _cases(args, kernels_run=False):
             best = emit.leader(session, fingerprint, case)
             if best is None:
                 print(f"T={case.T:<10} no trial of today's templates on {fingerprint}")

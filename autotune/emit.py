@@ -140,8 +140,8 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
         f"torch {run.torch}, triton {run.triton}; emitted {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC "
         f"from database run(s) {', '.join(map(str, runs))}.",
         f"Shape: E={shape.E} H={shape.H} I={shape.I} k={shape.k} {shape.dtype}, {tuned[0].routing} routing.",
-        "Measured per case at tuning time (median of CUDA-graph replays; %SOL against the floor from",
-        "the ceilings measured in the same run):",
+        "Measured per case at tuning time (median of the timed repeats, by the method named below; %SOL",
+        "against the floor from the ceilings measured in the same run):",
         "",
         f"    {'T':>6} {'ms':>9} {'%SOL':>6}  variant",
     ]

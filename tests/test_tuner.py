@@ -128,6 +128,17 @@ def test_bf16_refused_without_gpu(capsys):
         cli.main(["tune", "--shape", "4,32,32,2", "--tokens", "1"])
 
 
+def test_bf16_emitted_without_gpu(tmp_path, capsys):
+    """Emitting runs no kernel: a GPU's bf16 results render into a module on a machine without one."""
+    committed = emit.OUT_DIR / "h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
+    if not Path(db.GPU_URL.removeprefix("sqlite:///")).exists():
+        pytest.skip("no committed H200 database")
+    assert cli.main(["emit", "--db", db.GPU_URL, "--fingerprint", "H200-sm90-triton3.6.0", "--shape",
+                     "256,4096,2048,8", "--tokens", "1,32768", "--out-dir", str(tmp_path)]) == 0
+    path = tmp_path / committed.name
+    assert capsys.readouterr().out.strip() == str(path) and "def fused_experts(" in path.read_text()
+
+
 @contextlib.contextmanager
 def _extra_trial(s: Session, like, case: Case, **fields):
     """A verified trial recorded beside `like` (its run and study) for the length of the block."""
