@@ -19,6 +19,8 @@ from .target import Fingerprint
 
 DB_DIR = Path(__file__).resolve().parent.parent / "db"
 GPU_URL = f"sqlite:///{DB_DIR / 'moe_tune.sqlite3'}"
+# The machine whose runs that database holds, and whose module kernels_generated/ ships.
+COMMITTED_FINGERPRINT = "H200-sm90-triton3.6.0"
 # CPU demo runs go to their own file so they never mix into the committed GPU database.
 DEMO_URL = f"sqlite:///{DB_DIR / 'demo.sqlite3'}"
 

@@ -133,7 +133,7 @@ def test_bf16_emitted_without_gpu(tmp_path, capsys):
     committed = emit.OUT_DIR / "h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
     if not Path(db.GPU_URL.removeprefix("sqlite:///")).exists():
         pytest.skip("no committed H200 database")
-    assert cli.main(["emit", "--db", db.GPU_URL, "--fingerprint", "H200-sm90-triton3.6.0", "--shape",
+    assert cli.main(["emit", "--db", db.GPU_URL, "--fingerprint", db.COMMITTED_FINGERPRINT, "--shape",
                      "256,4096,2048,8", "--tokens", "1,32768", "--out-dir", str(tmp_path)]) == 0
     path = tmp_path / committed.name
     assert capsys.readouterr().out.strip() == str(path) and "def fused_experts(" in path.read_text()
@@ -316,7 +316,7 @@ def test_committed_module_is_what_the_committed_database_emits(tmp_path):
     from autotune.workloads import seed16
 
     with Session(db.connect(db.GPU_URL)) as s:
-        fresh = emit.emit(s, "H200-sm90-triton3.6.0", seed16(), committed.stem, tmp_path)
+        fresh = emit.emit(s, db.COMMITTED_FINGERPRINT, seed16(), committed.stem, tmp_path)
     strip = lambda text: [line for line in text.splitlines() if " emitted " not in line]  # noqa: E731
     assert strip(fresh.read_text()) == strip(committed.read_text())
 

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     differ = 0
     with Session(db.connect(db.GPU_URL)) as session:
         for case in seed16():
-            lead = emit.leader(session, "H200-sm90-triton3.6.0", case)
+            lead = emit.leader(session, db.COMMITTED_FINGERPRINT, case)
             if lead is None:
                 continue
             v = Variant.from_dict(lead.params)
