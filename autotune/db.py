@@ -18,7 +18,8 @@ from . import __version__
 from .target import Fingerprint
 
 DB_DIR = Path(__file__).resolve().parent.parent / "db"
-GPU_URL = f"sqlite:///{DB_DIR / 'moe_tune.sqlite3'}"
+GPU_PATH = DB_DIR / "moe_tune.sqlite3"
+GPU_URL = f"sqlite:///{GPU_PATH}"
 # The machine whose runs that database holds, and whose module kernels_generated/ ships.
 COMMITTED_FINGERPRINT = "H200-sm90-triton3.6.0"
 # CPU demo runs go to their own file so they never mix into the committed GPU database.

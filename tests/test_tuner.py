@@ -16,7 +16,10 @@ from autotune import cli, db, emit, render, target
 from autotune.reference import error_stats, moe_reference
 from autotune.runner import Runner
 from autotune.tuner import TuneConfig, tune
-from autotune.workloads import Case, Shape, make_tokens, make_weights, suite
+from autotune.workloads import SEED16_SHAPE, Case, Shape, make_tokens, make_weights, suite
+
+# The H200 module kernels_generated/ ships, emitted from db/moe_tune.sqlite3 (db.GPU_PATH).
+COMMITTED_MODULE = emit.module_path(db.COMMITTED_FINGERPRINT, SEED16_SHAPE.key)
 
 SHAPE = Shape(E=4, H=32, I=32, k=2, dtype="bfloat16" if GPU else "float16")
 CASES = suite(SHAPE, (1, 9))
@@ -130,12 +133,11 @@ def test_bf16_refused_without_gpu(capsys):
 
 def test_bf16_emitted_without_gpu(tmp_path, capsys):
     """Emitting runs no kernel: a GPU's bf16 results render into a module on a machine without one."""
-    committed = emit.OUT_DIR / "h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
-    if not Path(db.GPU_URL.removeprefix("sqlite:///")).exists():
+    if not db.GPU_PATH.exists():
         pytest.skip("no committed H200 database")
     assert cli.main(["emit", "--db", db.GPU_URL, "--fingerprint", db.COMMITTED_FINGERPRINT, "--shape",
                      "256,4096,2048,8", "--tokens", "1,32768", "--out-dir", str(tmp_path)]) == 0
-    path = tmp_path / committed.name
+    path = tmp_path / COMMITTED_MODULE.name
     assert capsys.readouterr().out.strip() == str(path) and "def fused_experts(" in path.read_text()
 
 
@@ -310,8 +312,8 @@ def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp
 def test_committed_module_is_what_the_committed_database_emits(tmp_path):
     """What is shipped is what was timed: re-emitting from db/moe_tune.sqlite3 renders the committed
     module line for line (but the emission time), so every kernel in it was measured as rendered."""
-    committed = emit.OUT_DIR / "h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
-    if not committed.exists() or not Path(db.GPU_URL.removeprefix("sqlite:///")).exists():
+    committed = COMMITTED_MODULE
+    if not committed.exists() or not db.GPU_PATH.exists():
         pytest.skip("no committed H200 module or database")
     from autotune.workloads import seed16
 
@@ -354,11 +356,10 @@ def test_committed_studies_accept_todays_space(tmp_path):
 
     from autotune import space
 
-    committed = Path(db.GPU_URL.removeprefix("sqlite:///"))
-    if not committed.exists():
+    if not db.GPU_PATH.exists():
         pytest.skip("no committed GPU database")
     copy = tmp_path / "db.sqlite3"
-    shutil.copy(committed, copy)
+    shutil.copy(db.GPU_PATH, copy)
     url = f"sqlite:///{copy}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with Session(db.connect(url)) as s:
