@@ -91,8 +91,8 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     # Rendered only when a row uses them, so modules without them keep their source (and trial hashes).
     half_tail = any(r.v.half_tail for r in rows)
     tail_walk = any(r.v.tail_walk for r in rows)
-    g1_pair = any(r.v.g1_pair_tail for r in rows)
-    g2_pair = any(r.v.g2_pair_tail for r in rows)
+    g1_pair = any(r.v.g1_pair_tail for r in rows1)  # the triton forms' pairs; the Gluon GEMM1's below
+    g2_pair = any(r.v.g2_pair_tail for r in rows2)
     g1_swap = any(r.v.g1_swap_tail for r in rows)
     g2_swap = any(r.v.g2_swap_tail for r in rows)
     gluon_gemm1 = any(r.v.g1_gluon for r in rows)
@@ -130,6 +130,7 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
         # Gluon GEMMs with half tails: a tile helper of the row count, and GEMM1's loader reorders the columns.
         g1_gluon_half=any(r.v.g1_gluon and r.v.half_tail for r in rows),
         g2_gluon_half=any(r.v.g2_gluon and r.v.half_tail for r in rows),
+        g1_gluon_pair=any(r.v.g1_gluon and r.v.g1_pair_tail for r in rows),
         gluon_dynamic=any(r.v.dynamic_walk and (r.v.g1_gluon or r.v.g2_gluon) for r in rows),
         any_gluon=gluon_gemm1 or gluon_gemm2,
         any_tma=any(r.v.g1_weight_tma or r.v.g2_weight_tma for r in rows),

@@ -191,6 +191,9 @@ def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
         constexprs["DYNAMIC"] = v.dynamic_walk
     if "w_half_desc" in fn.arg_names:  # GEMM1's half tails: gate and up in half-width boxes
         signature["w_half_desc"] = gluon_descriptor_type(case.shape.dtype, [g["BLOCK_N"] // 2, g["BLOCK_K"]])
+    if "PAIR_TAIL" in fn.arg_names:  # GEMM1's pair tiles: a half tail's rows in half-height boxes
+        constexprs["PAIR_TAIL"] = v.g1_pair_tail
+        signature["a_half_desc"] = gluon_descriptor_type(case.shape.dtype, [v.block_m // 2, g["BLOCK_K"]])
     if fn.__name__ == "_gemm1_gluon_gather_kernel":  # rows gathered by pointer, weights by TMA
         constexprs.update(TOP_K=case.shape.k, A_LAYOUT=gluon_smem_layout(case.shape.dtype, row_box),
                           BLOCK_M=v.block_m, LOADER_WARPS=module._GATHER_LOADER_WARPS,

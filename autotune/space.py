@@ -46,15 +46,19 @@ def _tail_walk_can_run(v: dict, case: Case) -> bool:
 
 
 def _pair_can_run(which: int) -> Callable[[dict, Case], bool]:
+    # The Gluon GEMM1 pairs too: on expert-ordered rows (split dispatch), claiming past paired tails.
     def can_run(v: dict, case: Case) -> bool:
-        return v["half_tail"] and not v["tail_walk"] and not v[f"g{which}_gluon"]
+        gluon = v[f"g{which}_gluon"]
+        return v["half_tail"] and not v["tail_walk"] and (
+            not gluon or (which == 1 and v["dispatch"] == "split" and v["dynamic_walk"]))
     return can_run
 
 
 def _swap_can_run(which: int) -> Callable[[dict, Case], bool]:
     # The swapped tail's dot is narrower than the half tail's BLOCK_M / 2 rows (violations: swap < block_m / 2).
     def can_run(v: dict, case: Case) -> bool:
-        return _pair_can_run(which)(v, case) and v[f"g{which}_pair_tail"] and v["block_m"] >= 64
+        return (_pair_can_run(which)(v, case) and v[f"g{which}_pair_tail"] and v["block_m"] >= 64
+                and not v[f"g{which}_gluon"])
     return can_run
 
 
@@ -140,9 +144,10 @@ PARAMS: tuple[Param, ...] = (
           "where the static walk (tiles p, p + SMs, ...) drifts apart", default=False,
           when=lambda v, case: v["g1_gluon"] or v["g2_gluon"]),
     Param("g1_pair_tail", (False, True),
-          "with half_tail, the triton GEMM1 runs an expert's last full block and its half tail in one "
-          "program, each weight stage loaded once for both row sets, instead of two programs that each "
-          "stream the expert's weights (where experts get one block and a tail, they are read ~1.5 times)",
+          "with half_tail, GEMM1 runs an expert's last full block and its half tail in one program (the "
+          "Gluon GEMM1: one tile, on split dispatch's rows and the dynamic walk), each weight stage loaded "
+          "once for both row sets, instead of two programs that each stream the expert's weights (where "
+          "experts get one block and a tail, they are read ~1.5 times)",
           default=False, when=_pair_can_run(1)),
     Param("g2_pair_tail", (False, True), "the same pairing in the triton GEMM2", default=False,
           when=_pair_can_run(2)),
@@ -339,12 +344,13 @@ def violations(v: Variant, case: Case) -> list[str]:
         bad.append("dynamic_walk is how the Gluon GEMMs walk their tiles: it needs g1_gluon or g2_gluon")
     for which in (1, 2):
         if getattr(v, f"g{which}_pair_tail") and not _pair_can_run(which)(v.as_dict(), case):
-            bad.append(f"g{which}_pair_tail pairs a triton GEMM's half tails with the full block before them: it "
-                       f"needs half_tail, no tail_walk, and g{which}_gluon off")
+            bad.append(f"g{which}_pair_tail pairs half tails with the full block before them: it needs half_tail, "
+                       f"no tail_walk, and g{which}_gluon off, or (GEMM1) on with dispatch=split and dynamic_walk")
         swap = getattr(v, f"g{which}_swap_tail")
         if swap and not (_swap_can_run(which)(v.as_dict(), case) and swap < v.block_m // 2):
             bad.append(f"g{which}_swap_tail runs a paired tail as a swapped dot narrower than block_m/2 rows: it "
-                       f"needs g{which}_pair_tail and block_m >= 64, and fewer rows than block_m/2")
+                       f"needs g{which}_pair_tail and block_m >= 64, fewer rows than block_m/2, and the triton "
+                       f"GEMM{which}")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()
@@ -410,8 +416,10 @@ def _gluon_violations(v: Variant, case: Case, which: int) -> list[str]:
     width = (2 if which == 1 else 1) * g["BLOCK_N"]
     if width > 256:
         bad.append(f"{name}: a {width}-column tile is wider than one wgmma (256)")
-    # The ring, and the epilogue's layout change of the [BLOCK_M, BLOCK_N] output tile.
-    need = _gemm_smem(v.block_m, width, g["BLOCK_K"], g["num_stages"], 1, case.shape.elem_bytes) \
+    # The ring (a pair's stages hold its half tail's rows too), and the epilogue's layout change of the
+    # [BLOCK_M, BLOCK_N] output tile.
+    rows = v.block_m * 3 // 2 if getattr(v, f"g{which}_pair_tail") else v.block_m
+    need = _gemm_smem(rows, width, g["BLOCK_K"], g["num_stages"], 1, case.shape.elem_bytes) \
         + v.block_m * g["BLOCK_N"] * case.shape.elem_bytes
     if need > target.smem_bytes():
         bad.append(f"{name} needs {need // 1024} KB shared memory > {target.smem_bytes() // 1024} KB")

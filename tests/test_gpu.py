@@ -78,6 +78,13 @@ VARIANTS = {
     "split/fused gluon g1 half dynamic, triton g2": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
                                                             True, True, True, False, half_tail=True, g1_gluon=True,
                                                             dynamic_walk=True),
+    # The Gluon GEMM1's pair tiles: the tail's rows staged beside the full block's, one weight stream.
+    "split/fused gluon g1 g2 half pair dynamic": Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3,
+                                                         True, True, True, True, half_tail=True, g1_gluon=True,
+                                                         g2_gluon=True, dynamic_walk=True, g1_pair_tail=True),
+    "split/fused gluon g1 half pair dynamic tma-store, triton g2": Variant(
+        "split", "fused", 128, 64, 64, 8, 8, 4, 256, 64, 8, 8, 3, True, True, True, True, half_tail=True,
+        g1_gluon=True, dynamic_walk=True, g1_pair_tail=True, g1_tma_store=True),
     # Pair tiles: an expert's last full block and its half tail in one program (T=4096: ~half the experts).
     "split/fused tma half pair": Variant("split", "fused", 128, 128, 64, 1, 8, 4, 128, 64, 1, 8, 3, True, True,
                                          pdl=True, half_tail=True, g1_pair_tail=True),
@@ -133,6 +140,7 @@ def test_seed16_bf16_matches_reference(seed16_weights, name, T):
 # refuse some variants here, e.g. a BLOCK_K wider than K: those skip, naming the rule.)
 ODD_SHAPE = Shape(E=12, H=208, I=120, k=3, dtype="bfloat16")
 ODD_CASES = [Case(ODD_SHAPE, 1, seed=1), Case(ODD_SHAPE, 7, seed=7), Case(ODD_SHAPE, 333, seed=333),
+             Case(ODD_SHAPE, 600, seed=600),  # ~150 rows an expert: a full block and a short tail (pairs)
              Case(ODD_SHAPE, 1500, routing="zipf", seed=1500)]  # zipf: one hot expert, some idle ones
 
 

@@ -150,6 +150,27 @@ def test_pair_tiles_compile_without_spills():
     assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), case))
 
 
+def test_gluon_pair_tiles_compile_without_spills():
+    """g1_pair_tail with the Gluon GEMM1 (split dispatch, dynamic walk): a second wgmma group on the
+    tail's rows, staged in their own buffers, whose shared memory the space counts (3 stages fit at
+    T=16384's tile, 4 do not); it pairs only expert-ordered rows on the dynamic walk."""
+    case = Case(SEED16_SHAPE, 16384)
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                            g1_num_warps=8, g1_num_stages=3, g2_block_n=256, g2_num_warps=8, g2_num_stages=3,
+                            g1_gluon=True, g2_gluon=True, half_tail=True, dynamic_walk=True, g1_tma_store=True)
+    half = _gluon_report(v, case, 1)
+    pair = _gluon_report(dataclasses.replace(v, g1_pair_tail=True), case, 1)
+    assert set(pair.wgmma_shapes) == {"m64n128k16", "m64n256k16"}
+    tail_buffers = 3 * 64 * 64 * 2  # a [64, BLOCK_K] tail buffer a stage
+    assert tail_buffers <= pair.shared_bytes - half.shared_bytes < tail_buffers + 1024
+    assert pair.wgmma > half.wgmma and pair.tma_copies > half.tma_copies
+    deeper = dataclasses.replace(v, g1_pair_tail=True, g1_num_stages=4)
+    assert any("shared memory" in r for r in space.violations(deeper, case))
+    for other in ({"dispatch": "fused"}, {"dynamic_walk": False}):
+        bad = space.violations(dataclasses.replace(v, g1_pair_tail=True, **other), case)
+        assert any("pair_tail" in r for r in bad), bad
+
+
 @pytest.mark.parametrize("swap", [16, 32])
 def test_swapped_tails_are_wgmma_without_spills(swap):
     """T=4096's shipped shape (GEMM1 128x128 joint gate/up, GEMM2 256 wide, pairs in both, 8 warps)
