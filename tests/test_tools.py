@@ -1,4 +1,4 @@
-"""tools/ab.py, same_ptx.py and padding.py, as far as they run without a GPU."""
+"""tools/ab.py, same_ptx.py, padding.py and host.py, as far as they run without a GPU."""
 
 import importlib.util
 from pathlib import Path
@@ -66,4 +66,16 @@ def test_balanced_routing_gives_every_expert_its_share_and_each_token_distinct_e
 @pytest.mark.skipif(padding.target.has_gpu(), reason="it times on this GPU instead")
 def test_padding_refuses_to_run_without_a_gpu(capsys):
     assert padding.main(["8192"]) == 1
+    assert "GPU" in capsys.readouterr().out
+
+
+_spec_host = importlib.util.spec_from_file_location("host", Path(__file__).resolve().parent.parent / "tools" /
+                                                    "host.py")
+host = importlib.util.module_from_spec(_spec_host)
+_spec_host.loader.exec_module(host)
+
+
+@pytest.mark.skipif(host.target.has_gpu(), reason="it times on this GPU instead")
+def test_host_refuses_to_run_without_a_gpu(capsys):
+    assert host.main(["1"]) == 1
     assert "GPU" in capsys.readouterr().out
