@@ -165,6 +165,33 @@ def test_odd_shape_bf16_matches_reference(name, case):
     assert not stats.failures(BAR), stats
 
 
+@pytest.mark.parametrize("name", list(VARIANTS) + list(TINY_T_ONLY))
+def test_invalid_ids_on_every_form(name):
+    """Ids outside [0, E) (-1 for a dropped slot, garbage in a captured graph's padding rows) add
+    nothing on every GPU form, the same expert twice counts twice, and a batch with no valid id (no
+    block to walk) returns zeros."""
+    from autotune.space import violations
+
+    case = Case(ODD_SHAPE, 7 if name in TINY_T_ONLY else 333, seed=41)
+    variant = VARIANTS.get(name) or TINY_T_ONLY[name]
+    bad = violations(variant, case)
+    if bad:
+        pytest.skip("; ".join(bad))
+    module = render.load_source(render.render_variant(variant))
+    w13, w2 = make_weights(ODD_SHAPE, target.device(), seed=11)
+    x, w, ids = make_tokens(case, target.device())
+    gen = torch.Generator(device=ids.device).manual_seed(5)
+    dropped = torch.rand(ids.shape, generator=gen, device=ids.device) < 0.25
+    minus_one = torch.rand(ids.shape, generator=gen, device=ids.device) < 0.5
+    ids = ids.masked_fill(dropped & minus_one, -1).masked_fill(dropped & ~minus_one, ODD_SHAPE.E + 3)
+    ids[0, 1] = ids[0, 0] = 2
+    out = module.fused_experts(x, w13, w2, w, ids)
+    stats = error_stats(out, moe_reference(x, w13, w2, w, ids))
+    assert not stats.failures(BAR), stats
+    none = module.fused_experts(x, w13, w2, w, torch.full_like(ids, -1))
+    assert torch.equal(none, torch.zeros_like(x))
+
+
 def test_offsets_past_2_pow_31():
     """T*k*H > 2**31: slot-order rows of y must use 64-bit offsets (a known crash in two peers)."""
     shape = Shape(E=8, H=4096, I=128, k=8, dtype="bfloat16")
