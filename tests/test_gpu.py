@@ -144,20 +144,25 @@ ODD_CASES = [Case(ODD_SHAPE, 1, seed=1), Case(ODD_SHAPE, 7, seed=7), Case(ODD_SH
              Case(ODD_SHAPE, 1500, routing="zipf", seed=1500)]  # zipf: one hot expert, some idle ones
 
 
-@pytest.mark.parametrize("case", ODD_CASES, ids=lambda c: f"T{c.T}-{c.routing}")
-@pytest.mark.parametrize("name", list(VARIANTS) + list(TINY_T_ONLY))
-def test_odd_shape_bf16_matches_reference(name, case):
-    """Seed16's forms are not seed16-only: each runs a shape no tile divides, or its rules say why not."""
+def _odd_shape_form(name: str, case: Case):
+    """Form `name`'s one-variant module and ODD_SHAPE's weights, or a skip naming the space's rules
+    that refuse the form on `case`."""
     from autotune.space import violations
 
-    if name in TINY_T_ONLY and case.T > 16:
-        pytest.skip("direct dispatch is for tiny T")
     variant = VARIANTS.get(name) or TINY_T_ONLY[name]
     bad = violations(variant, case)
     if bad:
         pytest.skip("; ".join(bad))
-    module = render.load_source(render.render_variant(variant))
-    w13, w2 = make_weights(ODD_SHAPE, target.device(), seed=11)
+    return render.load_source(render.render_variant(variant)), *make_weights(ODD_SHAPE, target.device(), seed=11)
+
+
+@pytest.mark.parametrize("case", ODD_CASES, ids=lambda c: f"T{c.T}-{c.routing}")
+@pytest.mark.parametrize("name", list(VARIANTS) + list(TINY_T_ONLY))
+def test_odd_shape_bf16_matches_reference(name, case):
+    """Seed16's forms are not seed16-only: each runs a shape no tile divides, or its rules say why not."""
+    if name in TINY_T_ONLY and case.T > 16:
+        pytest.skip("direct dispatch is for tiny T")
+    module, w13, w2 = _odd_shape_form(name, case)
     x, w, ids = make_tokens(case, target.device())
     out = module.fused_experts(x, w13, w2, w, ids)
     stats = error_stats(out, moe_reference(x, w13, w2, w, ids))
@@ -170,15 +175,8 @@ def test_invalid_ids_on_every_form(name):
     """Ids outside [0, E) (-1 for a dropped slot, garbage in a captured graph's padding rows) add
     nothing on every GPU form, the same expert twice counts twice, and a batch with no valid id (no
     block to walk) returns zeros."""
-    from autotune.space import violations
-
     case = Case(ODD_SHAPE, 7 if name in TINY_T_ONLY else 333, seed=41)
-    variant = VARIANTS.get(name) or TINY_T_ONLY[name]
-    bad = violations(variant, case)
-    if bad:
-        pytest.skip("; ".join(bad))
-    module = render.load_source(render.render_variant(variant))
-    w13, w2 = make_weights(ODD_SHAPE, target.device(), seed=11)
+    module, w13, w2 = _odd_shape_form(name, case)
     x, w, ids = make_tokens(case, target.device())
     gen = torch.Generator(device=ids.device).manual_seed(5)
     dropped = torch.rand(ids.shape, generator=gen, device=ids.device) < 0.25
