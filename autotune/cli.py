@@ -75,7 +75,7 @@ def cmd_emit(args) -> int:
     cases = _cases(args, kernels_run=False)
     with Session(db.connect(_url(args))) as session:
         path = emit.emit(session, args.fingerprint or target.fingerprint().key, cases, args.name,
-                         Path(args.out_dir) if args.out_dir else emit.OUT_DIR)
+                         Path(args.out_dir) if args.out_dir else emit.OUT_DIR, args.hot_routing)
     print(path)
     return 0
 
@@ -281,6 +281,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name")
     p.add_argument("--out-dir")
     p.add_argument("--fingerprint", help="machine fingerprint to emit for (default: this machine's)")
+    p.add_argument("--hot-routing", choices=("uniform", "zipf"),
+                   help="routing-adaptive rows: where a case was also tuned under this routing (e.g. zipf), "
+                   "its leader runs the experts routed many rows")
     p.set_defaults(func=cmd_emit)
 
     p = sub.add_parser("bench", help="ceilings, floor, the emitted module and two peers; table, JSON, PNG")

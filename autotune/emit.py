@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import textwrap
@@ -12,7 +13,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session
 
 from . import __version__, db, render
-from .space import Variant
+from .space import Variant, hot_split_violations
 from .workloads import Case
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "kernels_generated"
@@ -120,19 +121,38 @@ def stale_leaders(session: Session, fingerprint: str, case: Case, n: int) -> lis
     return out
 
 
+def hot_partner(session: Session, fingerprint: str, case: Case, cold: Variant, routing: str) -> db.Trial | None:
+    """The variant a routing-adaptive row runs its hot experts by: the leader of `case` tuned under
+    `routing` (a hot-expert load), where it can share a call with `cold` (space.hot_split_violations:
+    larger blocks, one y in slot order); otherwise None, and the row stays one variant."""
+    lead = leader(session, fingerprint, dataclasses.replace(case, routing=routing))
+    if lead is None or hot_split_violations(cold, Variant.from_dict(lead.params)):
+        return None
+    return lead
+
+
 def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None = None,
-         out_dir: Path = OUT_DIR) -> Path:
-    """Render the module of the best verified variant of each case measured on `fingerprint`."""
+         out_dir: Path = OUT_DIR, hot_routing: str | None = None) -> Path:
+    """Render the module of the best verified variant of each case measured on `fingerprint`. With
+    `hot_routing`, a row whose case was also tuned under that routing runs its hot experts (those
+    routed at least half the hot variant's block of rows) by that routing's leader (`hot_partner`)."""
     best = {c.key: t for c in cases if (t := leader(session, fingerprint, c)) is not None}
     tuned = sorted((c for c in cases if c.key in best), key=lambda c: c.T)
     if not tuned:
         raise LookupError(f"no verified trial on {fingerprint} for any of the {len(cases)} cases; "
                           "run `moe-tune tune` first")
     missing = [c.T for c in cases if c.key not in best]
-    rows = [render.Row(limit, Variant.from_dict(best[c.key].params))
-            for c, limit in zip(tuned, thresholds([c.T for c in tuned]), strict=True)]
+    hot = {}
+    if hot_routing:
+        hot = {c.key: t for c in tuned
+               if (t := hot_partner(session, fingerprint, c, Variant.from_dict(best[c.key].params), hot_routing))}
+    rows = []
+    for c, limit in zip(tuned, thresholds([c.T for c in tuned]), strict=True):
+        hot_v = Variant.from_dict(hot[c.key].params) if c.key in hot else None
+        rows.append(render.Row(limit, Variant.from_dict(best[c.key].params), hot_v,
+                               hot_v.block_m // 2 if hot_v else 0))
     shape = tuned[0].shape
-    runs = sorted({best[c.key].run_id for c in tuned})
+    runs = sorted({t.run_id for t in [*best.values(), *hot.values()]})
     run = db.run_of(session, runs[-1])
     header = [
         f"Tuned by moe-tune {__version__} on {run.gpu} (compute capability {run.capability}), "
@@ -149,6 +169,10 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
         t = best[c.key]
         sol = f"{100 * t.floor_ms / t.median_ms:.1f}%" if t.floor_ms else "n/a"
         header.append(f"    {c.T:>6} {t.median_ms:9.4f} {sol:>6}  {t.label}")
+        if c.key in hot:
+            h = hot[c.key]
+            header.append(f"    {'':>6} {h.median_ms:9.4f} {'':>6}  hot experts (>= {h.params['block_m'] // 2} rows), "
+                          f"{hot_routing} leader: {h.label}")
     methods: dict[str, list[int]] = {}
     for c in tuned:
         methods.setdefault(best[c.key].timing_method or "unrecorded", []).append(c.T)

@@ -12,7 +12,7 @@ import importlib.util
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -37,10 +37,14 @@ _ENV = jinja2.Environment(
 
 @dataclass(frozen=True)
 class Row:
-    """One row of a module's variant table: `v` serves T <= max_tokens."""
+    """One row of a module's variant table: `v` serves T <= max_tokens. A routing-adaptive row also
+    has `hot`, the variant that runs the experts routed at least `hot_rows` rows (see
+    `space.hot_split_violations` for the pairs that can share a call)."""
 
     max_tokens: float
     v: Variant
+    hot: Variant | None = None
+    hot_rows: int = 0
 
 
 def _weights_doc(tma: bool, a_tma: bool, persistent: bool) -> str:
@@ -83,7 +87,9 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     """Source of a module that serves each row's token range with its variant."""
     if not rows:
         raise ValueError("a module needs at least one variant")
-    rows = sorted(rows, key=lambda r: r.max_tokens)
+    table = sorted(rows, key=lambda r: r.max_tokens)
+    # Every variant the module runs, a hot side as its own row: what the kernels and flags cover.
+    rows = table + [Row(r.max_tokens, r.hot) for r in table if r.hot is not None]
     # A GEMM run by its Gluon kernel needs no triton form.
     rows1 = [r for r in rows if not r.v.g1_gluon]
     rows2 = [r for r in rows if not r.v.g2_gluon]
@@ -101,7 +107,8 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     return _ENV.get_template("module.py.j2").render(
         title=title,
         header=header,
-        rows=[Row("float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens), r.v) for r in rows],
+        rows=[replace(r, max_tokens="float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens)) for r in table],
+        hot_split=any(r.hot is not None for r in table),
         gemm_keys=GEMM_KEYS,
         # A form carries the pair tile (g1_pair_tail, g2_pair_tail) and its swapped tail only where one of its
         # rows uses them (a direct form has no blocks to pair); the kernel's PAIR_TAIL and SWAP_TAIL

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from . import target
-from .workloads import Case
+from .workloads import Case, experts_touched, make_tokens
 
 
 @dataclass(frozen=True)
@@ -286,6 +286,12 @@ def rows_computed(v, ids: torch.Tensor, num_experts: int) -> tuple[int, int]:
     routed slot. Against T*k, the rows the op needs, this is the padding's share of the tensor work."""
     ids = ids.flatten()
     routed = ids[(ids >= 0) & (ids < num_experts)]
+    if getattr(v, "hot", None) is not None:  # a routing-adaptive table row: each side on its own experts
+        hot_expert = routed.bincount(minlength=num_experts) >= v.hot_rows
+        on_hot = hot_expert[routed]
+        cold = rows_computed(v._replace(hot=None), routed[~on_hot], num_experts)
+        hot = rows_computed(v.hot, routed[on_hot], num_experts)
+        return cold[0] + hot[0], cold[1] + hot[1]
     bm = v.block_m
     if getattr(v, "route", v.dispatch) == "direct":
         return (routed.numel() * bm,) * 2
@@ -301,6 +307,25 @@ def rows_computed(v, ids: torch.Tensor, num_experts: int) -> tuple[int, int]:
                 last = torch.where((tail > 0) & (tail <= swap) & (counts > bm), swap, last)
         out.append(int((counts - tail + last).sum()))
     return out[0], out[1]
+
+
+def hot_split_violations(cold: Variant, hot: Variant) -> list[str]:
+    """Why two variants cannot share a routing-adaptive call (empty: they can). There the cold variant
+    runs the experts routed fewer than hot_rows rows and the hot one the rest, each with its own
+    dispatch, both writing one y in slot order that one combine reads; so neither may write y in
+    expert order, need a dispatch-free route, walk tails in a second launch, or permute by token
+    (dispatch leaves a slot's position unset on the other side), and the Gluon GEMMs are left out
+    until tested there. The hot side takes the larger blocks: what it is for."""
+    bad = []
+    for side, v in (("cold", cold), ("hot", hot)):
+        unfit = [name for name, on in (("direct dispatch", v.direct), ("g2_sorted_out", v.g2_sorted_out),
+                                       ("tail_walk", v.tail_walk), ("permute_by_token", v.permute_by_token),
+                                       ("a Gluon GEMM", v.g1_gluon or v.g2_gluon)) if on]
+        if unfit:
+            bad.append(f"the {side} side runs {', '.join(unfit)}, which a routing-adaptive call cannot share")
+    if hot.block_m <= cold.block_m:
+        bad.append(f"the hot side's blocks ({hot.block_m} rows) must be larger than the cold side's ({cold.block_m})")
+    return bad
 
 
 def _next_pow2(n: int) -> int:
@@ -515,6 +540,9 @@ def starting_points(case: Case) -> list[Variant]:
     compute-bound: 128-row tiles and wide columns. These are only seeds; the sampler moves on.
     """
     rows_per_expert = case.T * case.shape.k / case.shape.E
+    if case.routing != "uniform":  # a hot-expert load: the rows of the experts it routes to
+        ids = make_tokens(case, "cpu")[2]
+        rows_per_expert = case.T * case.shape.k / max(1, experts_touched(ids, case.shape.E))
     if rows_per_expert <= 16:
         picks = [
             Variant("fused", "fused", 16, 64, 128, 1, 4, 4, 64, 128, 1, 4, 4),

@@ -244,3 +244,19 @@ def test_settle_runs_the_call_before_its_timing():
     # A 2048^3 matmul takes ~25 us: 50 ms of settle is hundreds of calls more.
     assert plain.method == "cuda-events" and settled.method == "cuda-events, settled 50 ms"
     assert len(calls) > plain_calls + 100
+
+
+# A routing-adaptive row at seed16: 16-row blocks for the experts routed few rows, TMA 128-row blocks
+# with PDL for the hot ones (zipf routes most rows to a dozen experts).
+HOT_ROW = render.Row(float("inf"), VARIANTS["fused/fused small pdl"], VARIANTS["split/fused tma pdl"], 64)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf"])
+@pytest.mark.parametrize("T", [7, 300, 1500])
+def test_hot_split_bf16_matches_reference(seed16_weights, routing, T):
+    module = render.load_source(render.render_module([HOT_ROW], "hot split", []))
+    x, w, ids = make_tokens(Case(SEED16_SHAPE, T, routing, seed=T), target.device())
+    out = module.fused_experts(x, *seed16_weights, w, ids)
+    stats = error_stats(out, moe_reference(x, *seed16_weights, w, ids))
+    assert not stats.failures(BAR), stats
+    assert torch.equal(out, module.fused_experts(x, *seed16_weights, w, ids)), "not bitwise deterministic"
