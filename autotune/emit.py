@@ -171,8 +171,9 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
         header.append(f"    {c.T:>6} {t.median_ms:9.4f} {sol:>6}  {t.label}")
         if c.key in hot:
             h = hot[c.key]
-            header.append(f"    {'':>6} {h.median_ms:9.4f} {'':>6}  hot experts (>= {h.params['block_m'] // 2} rows), "
-                          f"{hot_routing} leader: {h.label}")
+            min_rows = h.params["block_m"] // 2
+            header.append(f"    {'':>6} {h.median_ms:9.4f} {'':>6}  "
+                          f"{hot_routing}, experts >= {min_rows} rows: {h.label}")
     methods: dict[str, list[int]] = {}
     for c in tuned:
         methods.setdefault(best[c.key].timing_method or "unrecorded", []).append(c.T)

@@ -106,4 +106,4 @@ def test_emit_pairs_a_row_with_its_hot_routing_leader(tmp_path):
     assert module.select_variant(1).hot is None
     row = module.select_variant(9)
     assert row.hot.block_m == HOT.block_m and row.hot_rows == HOT.block_m // 2
-    assert "hot experts (>= 32 rows), zipf leader" in path.read_text()
+    assert "zipf, experts >= 32 rows: " in path.read_text()
