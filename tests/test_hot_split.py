@@ -75,6 +75,7 @@ def test_rows_computed_counts_each_side_on_its_experts(hot_module):
 def test_sides_that_cannot_share_a_call_are_named():
     assert space.hot_split_violations(COLD, HOT) == []
     assert any("larger" in why for why in space.hot_split_violations(HOT, COLD))
+    assert any("second pipeline" in why for why in space.hot_split_violations(COLD, small_variant(block_m=32)))
     direct = small_variant("direct")
     assert any("direct dispatch" in why for why in space.hot_split_violations(direct, HOT))
     sorted_out = dataclasses.replace(HOT, g2_gluon=True, g2_sorted_out=True)
