@@ -142,15 +142,16 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
         raise LookupError(f"no verified trial on {fingerprint} for any of the {len(cases)} cases; "
                           "run `moe-tune tune` first")
     missing = [c.T for c in cases if c.key not in best]
-    hot = {}
-    if hot_routing:
-        hot = {c.key: t for c in tuned
-               if (t := hot_partner(session, fingerprint, c, Variant.from_dict(best[c.key].params), hot_routing))}
-    rows = []
+    rows, hot = [], {}
     for c, limit in zip(tuned, thresholds([c.T for c in tuned]), strict=True):
-        hot_v = Variant.from_dict(hot[c.key].params) if c.key in hot else None
-        rows.append(render.Row(limit, Variant.from_dict(best[c.key].params), hot_v,
-                               hot_v.block_m // 2 if hot_v else 0))
+        v = Variant.from_dict(best[c.key].params)
+        partner = hot_partner(session, fingerprint, c, v, hot_routing) if hot_routing else None
+        if partner is None:
+            rows.append(render.Row(limit, v))
+            continue
+        hot[c.key] = partner
+        hot_v = Variant.from_dict(partner.params)
+        rows.append(render.Row(limit, v, hot_v, hot_v.block_m // 2))
     shape = tuned[0].shape
     runs = sorted({t.run_id for t in [*best.values(), *hot.values()]})
     run = db.run_of(session, runs[-1])
@@ -165,15 +166,14 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
         "",
         f"    {'T':>6} {'ms':>9} {'%SOL':>6}  variant",
     ]
-    for c in tuned:
+    for c, row in zip(tuned, rows, strict=True):
         t = best[c.key]
         sol = f"{100 * t.floor_ms / t.median_ms:.1f}%" if t.floor_ms else "n/a"
         header.append(f"    {c.T:>6} {t.median_ms:9.4f} {sol:>6}  {t.label}")
         if c.key in hot:
             h = hot[c.key]
-            min_rows = h.params["block_m"] // 2
             header.append(f"    {'':>6} {h.median_ms:9.4f} {'':>6}  "
-                          f"{hot_routing}, experts >= {min_rows} rows: {h.label}")
+                          f"{hot_routing}, experts >= {row.hot_rows} rows: {h.label}")
     methods: dict[str, list[int]] = {}
     for c in tuned:
         methods.setdefault(best[c.key].timing_method or "unrecorded", []).append(c.T)

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 from conftest import DEVICE, DTYPES, small_variant
-from test_kernels import assert_matches, torch_dispatch
+from test_kernels import assert_matches, inputs, torch_dispatch
 
 from autotune import render, space
 from autotune.render import Row
-from autotune.workloads import Case, Shape, make_tokens, make_weights
+from autotune.workloads import Shape
 
 COLD = small_variant("fused", "fused")  # 16-row blocks, rows gathered by GEMM1
 HOT = small_variant("split", "fused", block_m=64)  # 64-row blocks of permuted rows
@@ -49,17 +49,11 @@ def test_each_side_places_its_own_experts(hot_module, E, T, k):
 @pytest.mark.parametrize("T", [1, 40, 150])
 def test_hot_split_matches_reference(hot_module, routing, T):
     """Under uniform routing most experts stay cold; under zipf a few take most rows and run hot."""
-    shape = Shape(8, 64, 48, 2, {torch.float16: "float16", torch.float32: "float32",
-                                 torch.bfloat16: "bfloat16"}[DTYPES[0]])
-    w13, w2 = make_weights(shape, DEVICE, seed=1)
-    x, w, ids = make_tokens(Case(shape, T, routing, seed=T), DEVICE)
-    assert_matches(hot_module, x, w13, w2, w, ids)
+    assert_matches(hot_module, *inputs(T=T, dtype=DTYPES[0], seed=1, routing=routing))
 
 
 def test_hot_split_skips_invalid_ids(hot_module):
-    shape = Shape(8, 64, 48, 2, "float32" if DTYPES[0] == torch.float32 else "float16")
-    w13, w2 = make_weights(shape, DEVICE, seed=2)
-    x, w, ids = make_tokens(Case(shape, 90, "zipf", seed=3), DEVICE)
+    x, w13, w2, w, ids = inputs(T=90, dtype=DTYPES[0], seed=2, routing="zipf")
     ids[::4, 0] = -1
     ids[1::4, 1] = 8
     assert_matches(hot_module, x, w13, w2, w, ids)

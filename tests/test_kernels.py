@@ -12,11 +12,11 @@ from autotune.reference import BAR, error_stats, moe_reference
 from autotune.workloads import Case, Shape, make_tokens, make_weights
 
 
-def inputs(E=8, H=64, I=48, k=2, T=5, dtype=torch.float16, seed=0):  # noqa: E741
+def inputs(E=8, H=64, I=48, k=2, T=5, dtype=torch.float16, seed=0, routing="uniform"):  # noqa: E741
     shape = Shape(E, H, I, k, {torch.float16: "float16", torch.float32: "float32",
                                torch.bfloat16: "bfloat16"}[dtype])
     w13, w2 = make_weights(shape, DEVICE, seed=seed)
-    x, w, ids = make_tokens(Case(shape, T, seed=seed + T), DEVICE)
+    x, w, ids = make_tokens(Case(shape, T, routing, seed=seed + T), DEVICE)
     return x, w13, w2, w, ids
 
 
