@@ -10,7 +10,7 @@ import socket
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, create_engine, select
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, create_engine, func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -175,6 +175,13 @@ def best_trials(session: Session, fingerprint: str, case_keys: list[str] | None 
         if t.case_key not in best or t.median_ms < best[t.case_key].median_ms:
             best[t.case_key] = t
     return best
+
+
+def tuned_cases(session: Session, fingerprint: str) -> list[dict]:
+    """The case of every study on this fingerprint with a verified trial (each case's dict once)."""
+    first = (select(func.min(Trial.id)).where(Trial.fingerprint == fingerprint, Trial.status == "ok")
+             .group_by(Trial.case_key))
+    return list(session.scalars(select(Trial.case).where(Trial.id.in_(first))))
 
 
 def history(session: Session, case_key: str | None = None, limit: int = 50) -> list[Trial]:

@@ -566,7 +566,10 @@ def starting_points(case: Case) -> list[Variant]:
             Variant("fused", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3),
             Variant("fused", "fused", 64, 128, 64, 8, 4, 4, 128, 64, 8, 4, 4),
         ]
-    def in_space(v: Variant) -> bool:
-        return all(getattr(v, p.name) in choices(p, case) for p in PARAMS)
+    return [v for v in picks if in_space(v, case) and not violations(v, case)]
 
-    return [v for v in picks if in_space(v) and not violations(v, case)]
+
+def in_space(v: Variant, case: Case) -> bool:
+    """Whether every parameter of `v` is among the values `case`'s study asks for (choices): a point
+    from another shape's study may hold a tile wider than this case's capping dimension."""
+    return all(getattr(v, p.name) in choices(p, case) for p in PARAMS)

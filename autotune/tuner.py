@@ -116,6 +116,7 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     leader = emit.leader(session, fp.key, case)
     challengers = (emit.stale_leaders(session, fp.key, case, max(STALE_RETIME, cfg.retime))
                    + _new_dimension_probes(session, fp, case, leader)
+                   + _transfer_probes(session, fp, case)
                    + _leader_probes(session, fp, case, leader, cfg.probes, log)
                    + (_neighbour_probes(session, fp, case, leader) if cfg.neighbours else []))
     challengers = [c for i, c in enumerate(challengers) if c not in challengers[:i]]
@@ -233,6 +234,36 @@ def _new_dimension_probes(session, fp, case, leader) -> list[dict]:
                 continue
             v = space.Variant.from_dict({**leader.params, p.name: value})
             if not space.violations(v, case) and _unmeasured(session, fp, case, v):
+                probes.append(v.as_dict())
+    return probes
+
+
+def _transfer_probes(session, fp, case) -> list[dict]:
+    """The leaders of other shapes' studies on this machine, from the cases nearest this one in rows
+    per expert (T*k/E, the load that decides a variant's grain), one on either side, where they can
+    run this case and are unmeasured on it: a new shape starts from what its neighbours' searches
+    found rather than from the hand-picked points alone. Same dtype and routing only."""
+    load = lambda c: math.log(max(c.T * c.shape.k / c.shape.E, 1e-9))  # noqa: E731
+    others: dict[str, list[Case]] = collections.defaultdict(list)
+    for d in db.tuned_cases(session, fp.key):
+        other = Case.from_dict(d)
+        if (other.shape.key != case.shape.key and other.shape.dtype == case.shape.dtype
+                and other.routing == case.routing):
+            others[other.shape.key].append(other)
+    probes = []
+    for cases in others.values():
+        below = [c for c in cases if load(c) <= load(case)]
+        above = [c for c in cases if load(c) > load(case)]
+        nearest = [max(below, key=load)] if below else []
+        nearest += [min(above, key=load)] if above else []
+        for other in nearest:
+            lead = emit.leader(session, fp.key, other)
+            try:
+                v = space.Variant.from_dict(lead.params) if lead is not None else None
+            except ValueError:  # a withdrawn value: not a variant today
+                continue
+            if (v is not None and v.as_dict() not in probes and space.in_space(v, case)
+                    and not space.violations(v, case) and _unmeasured(session, fp, case, v)):
                 probes.append(v.as_dict())
     return probes
 

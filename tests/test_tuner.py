@@ -475,3 +475,31 @@ def test_hill_marks_the_runs_timed_settled(tmp_path, capsys):
         cli._print_hill(emit.hill(s, fp.key, case), case.key)
     lines = capsys.readouterr().out.splitlines()[1:]
     assert ["settled" in line for line in lines] == [False, False, True], lines
+
+
+def test_a_new_shape_is_probed_with_its_neighbours_leaders(tmp_path):
+    """Transfer: a case's study tries the leaders of other shapes' cases nearest it in rows per
+    expert (one either side), once, where they fit its space; other dtypes and routings are not
+    neighbours, and its own shape's studies are not others."""
+    from autotune import space, tuner
+
+    fp = target.fingerprint()
+    other = Shape(E=8, H=64, I=64, k=2, dtype=SHAPE.dtype)
+    low, mid, high = suite(other, (2, 16, 64))  # 0.5, 4 and 16 rows per expert
+    case = Case(SHAPE, 9)  # 4.5 rows per expert: between mid and high
+    lead_mid, lead_high, slower = small_variant(group_m=1), small_variant(group_m=8), small_variant(pdl=True)
+    too_wide = small_variant(bk=64)  # its 64-wide K tile exceeds this case's H=32 choices
+    fp32 = Case(Shape(E=8, H=64, I=64, k=2, dtype="float32"), 16)
+    with Session(db.connect(f"sqlite:///{tmp_path / 'transfer.sqlite3'}")) as s:
+        r = db.start_run(s, fp, "test", None)
+        for c, v, ms in ((low, small_variant(group_m=16), 1.0), (mid, lead_mid, 1.0), (mid, slower, 2.0),
+                         (high, lead_high, 1.0), (fp32, small_variant(block_m=32), 1.0),
+                         (Case(SHAPE, 1), small_variant(block_m=64), 1.0)):
+            _record(s, r, c, v, ms)
+        assert tuner._transfer_probes(s, fp, case) == [lead_mid.as_dict(), lead_high.as_dict()]
+        _record(s, r, case, lead_mid, 1.0)  # measured on this case: not again
+        assert tuner._transfer_probes(s, fp, case) == [lead_high.as_dict()]
+        _record(s, r, high, too_wide, 0.5)
+        assert not space.in_space(too_wide, case)
+        s.query(db.Trial).filter(db.Trial.params == lead_high.as_dict()).delete()  # too_wide now leads high
+        assert tuner._transfer_probes(s, fp, case) == []
