@@ -16,7 +16,7 @@ from autotune import cli, db, emit, render, target
 from autotune.reference import error_stats, moe_reference
 from autotune.runner import Runner
 from autotune.tuner import TuneConfig, tune
-from autotune.workloads import SEED16_SHAPE, Case, Shape, make_tokens, make_weights, suite
+from autotune.workloads import SEED16_SHAPE, SEED16_TOKENS, Case, Shape, make_tokens, make_weights, suite
 
 # The H200 module kernels_generated/ ships, emitted from db/moe_tune.sqlite3 (db.GPU_PATH).
 COMMITTED_MODULE = emit.module_path(db.COMMITTED_FINGERPRINT, SEED16_SHAPE.key)
@@ -310,16 +310,23 @@ def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp
         assert sorted(set(again)) == contenders and again.count(leader.source_hash) == 2  # before and after
 
 
-def test_committed_module_is_what_the_committed_database_emits(tmp_path):
+# Each committed H200 module: its cases, and the routing its adaptive rows were emitted with.
+COMMITTED_MODULES = [
+    (SEED16_SHAPE, SEED16_TOKENS, "zipf"),
+    (Shape(E=128, H=2048, I=768, k=8), (1, 4, 16, 64, 256, 1024, 4096, 16384), None),  # Qwen3-30B-A3B's
+]
+
+
+@pytest.mark.parametrize("shape, tokens, hot_routing", COMMITTED_MODULES, ids=lambda x: getattr(x, "key", ""))
+def test_committed_module_is_what_the_committed_database_emits(tmp_path, shape, tokens, hot_routing):
     """What is shipped is what was timed: re-emitting from db/moe_tune.sqlite3 renders the committed
     module line for line (but the emission time), so every kernel in it was measured as rendered."""
-    committed = COMMITTED_MODULE
+    committed = emit.module_path(db.COMMITTED_FINGERPRINT, shape.key)
     if not committed.exists() or not db.GPU_PATH.exists():
         pytest.skip("no committed H200 module or database")
-    from autotune.workloads import seed16
-
     with Session(db.connect(db.GPU_URL)) as s:
-        fresh = emit.emit(s, db.COMMITTED_FINGERPRINT, seed16(), committed.stem, tmp_path, hot_routing="zipf")
+        fresh = emit.emit(s, db.COMMITTED_FINGERPRINT, suite(shape, tokens), committed.stem, tmp_path,
+                          hot_routing=hot_routing)
     strip = lambda text: [line for line in text.splitlines() if " emitted " not in line]  # noqa: E731
     assert strip(fresh.read_text()) == strip(committed.read_text())
 
