@@ -24,21 +24,32 @@ def hot_module():
     return render.load_source(render.render_module([Row(math.inf, COLD, HOT, HOT_ROWS)], "hot split", []))
 
 
-@pytest.mark.parametrize("E, T, k", [(8, 40, 2), (5, 300, 3), (40, 3000, 3)])
-def test_each_side_places_its_own_experts(hot_module, E, T, k):
-    """The cold side's dispatch is the full dispatch of the experts routed fewer than hot_rows rows,
-    the hot side's that of the rest, integers exact; one chunk and many, ids out of range included."""
+def _routing(E: int, T: int, k: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(E * T + 5)
     ids = torch.randint(-1, E + 2, (T, k), generator=gen)
     ids[: T // 2, 0] = 1  # one expert routed T/2 rows: hot at every T here
+    return ids
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own count", "shared count"])
+@pytest.mark.parametrize("E, ids", [(8, _routing(8, 40, 2)), (5, _routing(5, 300, 3)), (40, _routing(40, 3000, 3)),
+                                    # 64 experts of exactly hot_rows rows: the hot side's block bound is tight
+                                    (64, torch.arange(64).repeat_interleave(HOT_ROWS).view(-1, 2))])
+def test_each_side_places_its_own_experts(hot_module, E, ids, shared):
+    """The cold side's dispatch is the full dispatch of the experts routed fewer than hot_rows rows,
+    the hot side's that of the rest, integers exact; one chunk and many, ids out of range included;
+    each side counting the slots itself or both sharing one count (_count_slots), as a call does."""
     counts = torch.bincount(ids[(ids >= 0) & (ids < E)], minlength=E)
+    shared_counts = hot_module._count_slots(ids.to(DEVICE), E, False) if shared else None
     for side, block_m, keep in (("cold", COLD.block_m, counts < HOT_ROWS), ("hot", HOT.block_m, counts >= HOT_ROWS)):
         sorted_slots, block_expert, block_rows, num_blocks = hot_module.dispatch(
-            ids.to(DEVICE), E, block_m, hot=(HOT_ROWS, side))
+            ids.to(DEVICE), E, block_m, hot=hot_module._Side(HOT_ROWS, side, shared_counts))
         mine = torch.where((ids >= 0) & (ids < E) & keep[ids.clamp(0, E - 1)], ids, -1)
         want_expert, want_rows, want_slots = torch_dispatch(mine, E, block_m)
         n = want_expert.numel()
         assert int(num_blocks) == n, side
+        if E == 64 and side == "hot":
+            assert block_expert.numel() == n  # the bound is exact: no grid wider than the worst case
         assert torch.equal(block_expert[:n].cpu(), want_expert) and torch.equal(block_rows[:n].cpu(), want_rows)
         assert (block_rows[n:] == 0).all()
         for b, want in enumerate(want_slots):
