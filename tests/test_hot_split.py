@@ -56,6 +56,14 @@ def test_each_side_places_its_own_experts(hot_module, E, ids, shared):
             assert torch.equal(sorted_slots[b * block_m: b * block_m + want.numel()].cpu().long(), want), side
 
 
+def test_the_hot_sides_bound_never_empties_a_grid(hot_module):
+    """With fewer slots than hot_rows no expert can be hot, yet the hot side's grids need a program:
+    a grid of none fails to launch on the GPU (the interpreter runs it as nothing)."""
+    side = hot_module._Side(HOT_ROWS, "hot")
+    for n_slots in range(1, 4 * HOT_ROWS):
+        assert hot_module._max_blocks(n_slots, 64, HOT.block_m, side) == max(1, n_slots // HOT_ROWS)
+
+
 @pytest.mark.parametrize("routing", ["uniform", "zipf"])
 @pytest.mark.parametrize("T", [1, 40, 150])
 def test_hot_split_matches_reference(hot_module, routing, T):
