@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import collections
 import math
+import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime
 
 import optuna
 from optuna.trial import TrialState
@@ -61,14 +64,59 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _fail_stale(study: optuna.Study) -> None:
+# How long past the trial timeout a trial of another machine may stay RUNNING before a worker
+# counts it abandoned: its compile and verification, and the two machines' clocks.
+STALE_MARGIN_S = 600.0
+
+
+def _owner() -> dict:
+    """The worker a trial belongs to, recorded when it is asked: host and process."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
+def _abandoned(t: optuna.trial.FrozenTrial, timeout_s: float) -> bool:
+    """Whether a RUNNING trial's worker is gone: a process of this host that has exited, a trial from
+    before trials named their worker, or one running longer than a live worker lets a trial run.
+    Another worker's live trial (many tuners on one study) is none of these."""
+    owner = t.user_attrs.get("owner")
+    if owner is None:
+        return True
+    if owner["host"] == socket.gethostname() and not _alive(owner["pid"]):
+        return True
+    started = t.datetime_start  # naive local time, as Optuna records it
+    return started is None or (datetime.now() - started).total_seconds() > timeout_s + STALE_MARGIN_S
+
+
+def _fail_stale(study: optuna.Study, timeout_s: float) -> None:
     """Trials left RUNNING by an interrupted run are closed as failed, marked interrupted (they do
-    not count towards the target) and their point is queued again."""
+    not count towards the target) and their point is queued again. Trials other workers are running
+    now are left to them."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if not _abandoned(t, timeout_s):
+            continue
         study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
         study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
         if t.params:
             study.enqueue_trial(t.params)
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, value=None, state=TrialState.COMPLETE, log=_log) -> None:
+    """study.tell, where a trial closed meanwhile by another worker (it took this one for abandoned)
+    is logged, not fatal: the measurement is in mt_trials either way."""
+    try:
+        study.tell(trial, value, state=state)
+    except ValueError as e:
+        log(f"[{study.study_name}] trial {trial.number} was closed by another worker ({e}); result kept in mt_trials")
 
 
 def _finished(study: optuna.Study) -> int:
@@ -106,7 +154,7 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
     sampler = optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=min(10, max(2, cfg.trials // 3)))
     study = optuna.create_study(study_name=name, storage=cfg.storage_url, sampler=sampler,
                                 direction="minimize", load_if_exists=True)
-    _fail_stale(study)
+    _fail_stale(study, cfg.timeout_s)
     if not study.get_trials(deepcopy=False):
         for v in space.starting_points(case):
             study.enqueue_trial(v.as_dict())
@@ -156,12 +204,13 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             retimes[closing.source_hash] += 1
             closing = None
         trial = study.ask()
+        trial.set_user_attr("owner", _owner())
         v = space.suggest(trial, case)
         why = space.violations(v, case)
         if why:
             rejects += 1
             db.record_trial(session, **_row(run, name, fp, case, trial, v, None, "rejected", "; ".join(why)))
-            study.tell(trial, state=TrialState.PRUNED)
+            _tell(study, trial, state=TrialState.PRUNED, log=log)
             continue
         source = render.render_variant(v)
         digest = render.source_hash(source)
@@ -170,8 +219,8 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
             retimes[digest] -= 1
         if earlier is not None:
             # The same code on the same case and machine: reuse its measurement.
-            study.tell(trial, earlier.median_ms if earlier.status == "ok" else None,
-                       state=TrialState.COMPLETE if earlier.status == "ok" else TrialState.FAIL)
+            _tell(study, trial, earlier.median_ms if earlier.status == "ok" else None,
+                  TrialState.COMPLETE if earlier.status == "ok" else TrialState.FAIL, log)
             done += 1
             continue
         result = runner.evaluate(case, source)
@@ -184,9 +233,9 @@ def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> 
                        std_ms=t["std_ms"], reps=t["reps"], timing_method=t["method"],
                        samples_ms=list(t["samples_ms"]),
                        floor_ms=_floor_ms(case, result.experts_touched, ceilings))
-            study.tell(trial, t["median_ms"])
+            _tell(study, trial, t["median_ms"], log=log)
         else:
-            study.tell(trial, state=TrialState.FAIL)
+            _tell(study, trial, state=TrialState.FAIL, log=log)
         db.record_trial(session, **row)
         done += 1
         leader = emit.leader(session, fp.key, case)
