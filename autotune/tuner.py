@@ -292,7 +292,9 @@ def _transfer_probes(session, fp, case) -> list[dict]:
     per expert (T*k/E, the load that decides a variant's grain), one on either side, where they can
     run this case and are unmeasured on it: a new shape starts from what its neighbours' searches
     found rather than from the hand-picked points alone. Same dtype and routing only."""
-    load = lambda c: math.log(max(c.T * c.shape.k / c.shape.E, 1e-9))  # noqa: E731
+    def load(c: Case) -> float:
+        return math.log(max(c.T * c.shape.k / c.shape.E, 1e-9))
+
     others: dict[str, list[Case]] = collections.defaultdict(list)
     for d in db.tuned_cases(session, fp.key):
         other = Case.from_dict(d)
@@ -303,16 +305,16 @@ def _transfer_probes(session, fp, case) -> list[dict]:
     for cases in others.values():
         below = [c for c in cases if load(c) <= load(case)]
         above = [c for c in cases if load(c) > load(case)]
-        nearest = [max(below, key=load)] if below else []
-        nearest += [min(above, key=load)] if above else []
-        for other in nearest:
+        for other in ([max(below, key=load)] if below else []) + ([min(above, key=load)] if above else []):
             lead = emit.leader(session, fp.key, other)
+            if lead is None:
+                continue
             try:
-                v = space.Variant.from_dict(lead.params) if lead is not None else None
+                v = space.Variant.from_dict(lead.params)
             except ValueError:  # a withdrawn value: not a variant today
                 continue
-            if (v is not None and v.as_dict() not in probes and space.in_space(v, case)
-                    and not space.violations(v, case) and _unmeasured(session, fp, case, v)):
+            if (v.as_dict() not in probes and space.in_space(v, case) and not space.violations(v, case)
+                    and _unmeasured(session, fp, case, v)):
                 probes.append(v.as_dict())
     return probes
 
