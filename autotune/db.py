@@ -7,11 +7,16 @@ tables (studies, trials, ...) in the same database; ours are prefixed `mt_`.
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeVar
 
+import optuna
 from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, create_engine, func, select
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from . import __version__
@@ -96,13 +101,36 @@ def default_url(gpu: bool) -> str:
     return GPU_URL if gpu else DEMO_URL
 
 
+_T = TypeVar("_T")
+SCHEMA_ATTEMPTS = 6
+
+
+def _racing_schema(make: Callable[[], _T]) -> _T:
+    """`make` (which creates tables where missing) again after a failure: workers started together on an
+    empty database race to create the schema, and the loser's CREATE or version insert fails (or finds
+    SQLite locked); by the next attempt the winner has made it."""
+    for attempt in range(SCHEMA_ATTEMPTS):
+        try:
+            return make()
+        except (IntegrityError, OperationalError, ProgrammingError):
+            if attempt == SCHEMA_ATTEMPTS - 1:
+                raise
+            time.sleep(0.25 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def connect(url: str) -> Engine:
     """An engine on `url` with our tables created (SQLite's folder too)."""
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url)
-    Base.metadata.create_all(engine)
+    _racing_schema(lambda: Base.metadata.create_all(engine))
     return engine
+
+
+def optuna_storage(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's storage on `url` (its tables beside ours), made once per run."""
+    return _racing_schema(lambda: optuna.storages.RDBStorage(url))
 
 
 def start_run(session: Session, fp: Fingerprint, command: str, ceilings: dict | None) -> Run:

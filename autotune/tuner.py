@@ -67,6 +67,9 @@ def _log(msg: str) -> None:
 # How long past the trial timeout a trial of another machine may stay RUNNING before a worker
 # counts it abandoned: its compile and verification, and the two machines' clocks.
 STALE_MARGIN_S = 600.0
+# How long a trial may stay RUNNING without naming its worker: the moment between a worker's ask and
+# its naming itself, with room for a slow database.
+UNNAMED_GRACE_S = 60.0
 
 
 def _owner() -> dict:
@@ -85,16 +88,18 @@ def _alive(pid: int) -> bool:
 
 
 def _abandoned(t: optuna.trial.FrozenTrial, timeout_s: float) -> bool:
-    """Whether a RUNNING trial's worker is gone: a process of this host that has exited, a trial from
-    before trials named their worker, or one running longer than a live worker lets a trial run.
-    Another worker's live trial (many tuners on one study) is none of these."""
+    """Whether a RUNNING trial's worker is gone: a process of this host that has exited, a trial that
+    names no worker (from before trials named theirs; a live worker names itself right after asking),
+    or one running longer than a live worker lets a trial run. Another worker's live trial (many
+    tuners on one study) is none of these."""
+    started = t.datetime_start  # naive local time, as Optuna records it
+    age_s = math.inf if started is None else (datetime.now() - started).total_seconds()
     owner = t.user_attrs.get("owner")
     if owner is None:
-        return True
+        return age_s > UNNAMED_GRACE_S
     if owner["host"] == socket.gethostname() and not _alive(owner["pid"]):
         return True
-    started = t.datetime_start  # naive local time, as Optuna records it
-    return started is None or (datetime.now() - started).total_seconds() > timeout_s + STALE_MARGIN_S
+    return age_s > timeout_s + STALE_MARGIN_S
 
 
 def _fail_stale(study: optuna.Study, timeout_s: float) -> None:
@@ -131,6 +136,7 @@ def tune(cases: list[Case], cfg: TuneConfig, log=_log) -> dict[str, float]:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     fp = target.fingerprint()
     engine = db.connect(cfg.storage_url)
+    storage = db.optuna_storage(cfg.storage_url)
     deadline = None if cfg.time_budget_s is None else time.monotonic() + cfg.time_budget_s
     best: dict[str, float] = {}
     with Session(engine) as session, Runner(cfg.isolate, cfg.timeout_s, cfg.reps, cfg.settle_ms) as runner:
@@ -144,15 +150,16 @@ def tune(cases: list[Case], cfg: TuneConfig, log=_log) -> dict[str, float]:
             case_deadline = None
             if deadline is not None:
                 case_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(cases) - i)
-            best[case.key] = _tune_case(case, cfg, fp, session, runner, run, ceilings, case_deadline, log)
+            best[case.key] = _tune_case(case, cfg, fp, storage, session, runner, run, ceilings, case_deadline,
+                                       log)
         db.finish_run(session, run)
     return best
 
 
-def _tune_case(case, cfg, fp, session, runner, run, ceilings, deadline, log) -> float:
+def _tune_case(case, cfg, fp, storage, session, runner, run, ceilings, deadline, log) -> float:
     name = study_name(case, fp)
     sampler = optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=min(10, max(2, cfg.trials // 3)))
-    study = optuna.create_study(study_name=name, storage=cfg.storage_url, sampler=sampler,
+    study = optuna.create_study(study_name=name, storage=storage, sampler=sampler,
                                 direction="minimize", load_if_exists=True)
     _fail_stale(study, cfg.timeout_s)
     if not study.get_trials(deepcopy=False):
