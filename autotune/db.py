@@ -6,6 +6,7 @@ tables (studies, trials, ...) in the same database; ours are prefixed `mt_`.
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import time
 from collections.abc import Callable
@@ -119,18 +120,29 @@ def _racing_schema(make: Callable[[], _T]) -> _T:
     raise AssertionError("unreachable")
 
 
+def with_driver(url: str) -> str:
+    """`url` with a PostgreSQL driver SQLAlchemy can load: a plain postgresql:// (or postgres://) URL
+    names psycopg2 to it, so where only psycopg 3 is installed (the [postgres] extra) the URL names
+    that one. Other URLs, and ones naming a driver, are left as they are."""
+    scheme, sep, rest = url.partition("://")
+    if scheme not in ("postgresql", "postgres") or not sep:
+        return url
+    psycopg3_only = importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg") is not None
+    return f"postgresql{'+psycopg' if psycopg3_only else ''}://{rest}"
+
+
 def connect(url: str) -> Engine:
     """An engine on `url` with our tables created (SQLite's folder too)."""
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url)
+    engine = create_engine(with_driver(url))
     _racing_schema(lambda: Base.metadata.create_all(engine))
     return engine
 
 
 def optuna_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's storage on `url` (its tables beside ours), made once per run."""
-    return _racing_schema(lambda: optuna.storages.RDBStorage(url))
+    return _racing_schema(lambda: optuna.storages.RDBStorage(with_driver(url)))
 
 
 def start_run(session: Session, fp: Fingerprint, command: str, ceilings: dict | None) -> Run:

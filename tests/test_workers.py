@@ -92,8 +92,7 @@ def shared_url(request, tmp_path):
     with psycopg.connect(PG_ADMIN, autocommit=True) as c:
         c.execute(f'DROP DATABASE IF EXISTS "{name}"')
         c.execute(f'CREATE DATABASE "{name}"')
-    server = PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
-    yield f"{server}/{name}"
+    yield f"{PG_ADMIN.rsplit('/', 1)[0]}/{name}"  # no driver named: db.with_driver picks psycopg
     with psycopg.connect(PG_ADMIN, autocommit=True) as c:
         c.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
 
@@ -116,3 +115,16 @@ def test_two_tuners_on_one_database(shared_url):
         assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
         owners = {t.user_attrs["owner"]["pid"] for t in trials if "owner" in t.user_attrs}
         assert owners == {w.pid for w in workers}, s.study_name
+
+
+@pytest.mark.parametrize("installed, url, want", [
+    ({"psycopg"}, "postgresql://u@h/db", "postgresql+psycopg://u@h/db"),
+    ({"psycopg"}, "postgres://u@h/db", "postgresql+psycopg://u@h/db"),
+    ({"psycopg", "psycopg2"}, "postgresql://u@h/db", "postgresql://u@h/db"),
+    ({"psycopg2"}, "postgres://u@h/db", "postgresql://u@h/db"),
+    ({"psycopg"}, "postgresql+pg8000://u@h/db", "postgresql+pg8000://u@h/db"),
+    ({"psycopg"}, "sqlite:////tmp/x.sqlite3", "sqlite:////tmp/x.sqlite3"),
+])
+def test_a_postgresql_url_gets_the_installed_driver(monkeypatch, installed, url, want):
+    monkeypatch.setattr(db.importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    assert db.with_driver(url) == want
