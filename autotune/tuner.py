@@ -166,14 +166,18 @@ def _tune_case(case, cfg, fp, storage, session, runner, run, ceilings, deadline,
         for v in space.starting_points(case):
             study.enqueue_trial(v.as_dict())
     # Leaders timed before the templates last changed (their new code is unmeasured), then the leader
-    # with each parameter added since it was measured set to its other values, then --probe's points,
-    # then (--neighbours) the leader's unmeasured neighbours; each point once.
+    # with each parameter added since it was measured set to its other values, then other shapes'
+    # leaders at the nearest load, then --probe's points, then (--neighbours) the leader's unmeasured
+    # neighbours; each point once.
     leader = emit.leader(session, fp.key, case)
-    challengers = (emit.stale_leaders(session, fp.key, case, max(STALE_RETIME, cfg.retime))
-                   + _new_dimension_probes(session, fp, case, leader)
-                   + _transfer_probes(session, fp, case)
-                   + _leader_probes(session, fp, case, leader, cfg.probes, log)
-                   + (_neighbour_probes(session, fp, case, leader) if cfg.neighbours else []))
+    kinds = {
+        "stale leaders": emit.stale_leaders(session, fp.key, case, max(STALE_RETIME, cfg.retime)),
+        "new-parameter probes": _new_dimension_probes(session, fp, case, leader),
+        "other shapes' leaders": _transfer_probes(session, fp, case),
+        "--probe points": _leader_probes(session, fp, case, leader, cfg.probes, log),
+        "neighbours": _neighbour_probes(session, fp, case, leader) if cfg.neighbours else [],
+    }
+    challengers = [c for points in kinds.values() for c in points]
     challengers = [c for i, c in enumerate(challengers) if c not in challengers[:i]]
     # Points an earlier run queued and did not reach (its time budget ran out) are asked first: they
     # are owed work too, and must not take the places of this run's.
@@ -199,7 +203,9 @@ def _tune_case(case, cfg, fp, storage, session, runner, run, ceilings, deadline,
     for params in queued:
         study.enqueue_trial(params)
     first_done = done
-    log(f"[{case.key}] study {name}: {done} trials done, target {target_trials}")
+    asked = ", ".join(f"{len(points)} {kind}" for kind, points in kinds.items() if points)
+    log(f"[{case.key}] study {name}: {done} trials done, target {target_trials}"
+        + (f"; queued: {asked}" if asked else ""))
     rejects = 0
     while done < target_trials and rejects < MAX_REJECTS_PER_TRIAL * target_trials:
         # Past the deadline a case still gets one trial: its leader re-timed on today's templates.
