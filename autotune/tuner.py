@@ -19,7 +19,7 @@ import optuna
 from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
-from . import db, emit, render, space, target, timing
+from . import db, emit, render, search, space, target, timing
 from .runner import Runner
 from .workloads import Case
 
@@ -48,7 +48,7 @@ class TuneConfig:
     command: str = ""
     # Each case's leader is also tried with each of these assignments (e.g. {"g1_weight_tma": True}).
     probes: tuple[dict, ...] = ()
-    # Also try each case's leader moved one step in each parameter (space.neighbours).
+    # Also try each case's leader moved one step in each parameter (search.neighbours).
     neighbours: bool = False
     # Re-time each case's n best contenders (emit.contenders: the leader first) in this run, so that
     # challengers meet them on one state of the GPU (its clock moves with load and temperature); and
@@ -163,7 +163,7 @@ def _tune_case(case, cfg, fp, storage, session, runner, run, ceilings, deadline,
                                 direction="minimize", load_if_exists=True)
     _fail_stale(study, cfg.timeout_s)
     if not study.get_trials(deepcopy=False):
-        for v in space.starting_points(case):
+        for v in search.starting_points(case):
             study.enqueue_trial(v.as_dict())
     # Leaders timed before the templates last changed (their new code is unmeasured), then the leader
     # with each parameter added since it was measured set to its other values, then other shapes'
@@ -218,7 +218,7 @@ def _tune_case(case, cfg, fp, storage, session, runner, run, ceilings, deadline,
             closing = None
         trial = study.ask()
         trial.set_user_attr("owner", _owner())
-        v = space.suggest(trial, case)
+        v = search.suggest(trial, case)
         why = space.violations(v, case)
         if why:
             rejects += 1
@@ -355,10 +355,10 @@ def _leader_probes(session, fp, case, leader, assignments, log=lambda m: None) -
 
 def _neighbour_probes(session, fp, case, leader) -> list[dict]:
     """--neighbours: the case's leader (what emit ships, None if none) moved one step in each
-    parameter (space.neighbours), where today's code for that point is unmeasured."""
+    parameter (search.neighbours), where today's code for that point is unmeasured."""
     if leader is None:
         return []
-    return [v.as_dict() for v in space.neighbours(space.Variant.from_dict(leader.params), case)
+    return [v.as_dict() for v in search.neighbours(space.Variant.from_dict(leader.params), case)
             if _unmeasured(session, fp, case, v)]
 
 

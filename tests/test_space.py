@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import small_variant
 
-from autotune import cli, space, target
+from autotune import cli, search, space, target
 from autotune.workloads import SEED16_SHAPE, Case, Shape
 
 
@@ -38,7 +38,7 @@ def test_violations_name_the_reason():
 def test_starting_points_are_inside_the_space():
     for T in (1, 64, 32768):
         case = Case(SEED16_SHAPE, T)
-        points = space.starting_points(case)
+        points = search.starting_points(case)
         assert points
         for v in points:
             assert not space.violations(v, case)
@@ -153,7 +153,7 @@ def test_sampler_is_asked_only_what_can_take_effect():
         valid = 0
         for _ in range(100):
             trial = study.ask()
-            v = space.suggest(trial, case)
+            v = search.suggest(trial, case)
             valid += not space.violations(v, case)
             assert space.Variant.from_dict(trial.params) == v  # what a trial records rebuilds its variant
             study.tell(trial, 1.0)
@@ -203,14 +203,14 @@ def test_permutation_by_token_is_split_dispatchs():
 
 
 def test_neighbours_move_one_parameter_one_step():
-    """space.neighbours: each neighbour differs from the variant in one parameter, by one place among
+    """search.neighbours: each neighbour differs from the variant in one parameter, by one place among
     that parameter's choices for the case where they are numbers, to any other value where they are
     flags or names, and in its GEMM's pipeline depth only where the move fits no other way; every
     neighbour can run the case, and none is the variant itself."""
     case = Case(SEED16_SHAPE, 2048)
     v = dataclasses.replace(small_variant(block_m=64, bn=64, bk=64), g1_num_stages=5, g2_num_stages=3)
     assert not space.violations(v, case)
-    found = space.neighbours(v, case)
+    found = search.neighbours(v, case)
     assert found and v not in found and len(set(found)) == len(found)
     moved = set()
     for n in found:
@@ -244,11 +244,11 @@ def test_neighbours_of_a_gluon_leader_are_listed_on_a_gpu(monkeypatch):
     monkeypatch.setattr(space.target, "has_gpu", lambda: True)
     monkeypatch.setattr(space.target, "smem_bytes", lambda: space.target.DEFAULT_SMEM_BYTES)  # Hopper's
     assert not space.violations(v, case)
-    moved = {p.name for n in space.neighbours(v, case) for p in space.PARAMS
+    moved = {p.name for n in search.neighbours(v, case) for p in space.PARAMS
              if getattr(n, p.name) != getattr(v, p.name)}
     assert {"g1_num_stages", "g2_group_m", "dynamic_walk", "g1_tma_store", "g2_sorted_out"} <= moved
     monkeypatch.setattr(space.target, "has_gpu", lambda: False)
-    assert space.neighbours(v, case) == []
+    assert search.neighbours(v, case) == []
 
 
 def test_rows_computed_counts_each_gemms_padded_rows():

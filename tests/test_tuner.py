@@ -12,7 +12,7 @@ from conftest import DEVICE, GPU, small_variant
 from sqlalchemy import inspect, select
 from sqlalchemy.orm import Session
 
-from autotune import cli, db, emit, render, target
+from autotune import cli, db, emit, render, search, target
 from autotune.reference import error_stats, moe_reference
 from autotune.runner import Runner
 from autotune.tuner import TuneConfig, tune
@@ -99,7 +99,7 @@ def test_cli_rejects_bad_shape(capsys):
 
 def test_isolated_worker_survives_crash_and_hang():
     case = CASES[0]
-    good = render.render_variant(next(iter(__import__("autotune.space").space.starting_points(case)), None)
+    good = render.render_variant(next(iter(search.starting_points(case)), None)
                                  or small_variant())
     with Runner(isolate=True, timeout_s=60, reps=1) as runner:
         crashed = runner.evaluate(case, "import os\nos._exit(3)\n")
@@ -268,7 +268,7 @@ def test_a_probed_case_has_its_leaders_retimed_beside_the_probe(tuned_db, tmp_pa
 
 
 def test_neighbours_of_the_leader_are_each_measured_once(tuned_db, tmp_path):
-    """--neighbours queues the leader's unmeasured one-step neighbours (space.neighbours); after the run
+    """--neighbours queues the leader's unmeasured one-step neighbours (search.neighbours); after the run
     every one of them has a result, and a second run finds none left to queue."""
     from autotune import space, tuner
 

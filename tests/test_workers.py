@@ -12,7 +12,7 @@ from conftest import GPU
 from sqlalchemy import create_engine, text
 from test_tuner import CASES
 
-from autotune import db, space, target, tuner
+from autotune import db, search, space, target, tuner
 from autotune.tuner import TuneConfig, tune
 from autotune.workloads import Shape, suite
 
@@ -64,7 +64,7 @@ def test_interrupted_trial_is_failed_and_the_study_goes_on(tmp_path):
                                 direction="minimize")
     cut_off = study.ask()  # the trial the "killed" run was in the middle of
     cut_off.set_user_attr("owner", {"host": socket.gethostname(), "pid": _exited_pid()})
-    point = space.suggest(cut_off, case).as_dict()
+    point = search.suggest(cut_off, case).as_dict()
     tune([case], TuneConfig(storage_url=url, trials=1, isolate=False, reps=1), log=lambda m: None)
     trials = optuna.load_study(study_name=study.study_name, storage=url).trials
     assert [t.state for t in trials].count(optuna.trial.TrialState.RUNNING) == 0
