@@ -256,7 +256,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=None, help="finished trials per case, resumed studies included "
                    "(default 40 on a GPU, 4 on the CPU)")
     p.add_argument("--more", type=int, default=None, help="run this many sampled trials per case beyond those "
-                   "done and the queued re-timings and probes (instead of --trials' total)")
+                   "done and the queued re-timings and probes (instead of --trials' total; what each of several "
+                   "workers on one database should give)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, default=None, help="timed repeats per trial (default 20 GPU, 2 CPU)")
