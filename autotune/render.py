@@ -83,8 +83,20 @@ def _gemm2_form(direct: bool, tma: bool, persistent: bool) -> dict:
             "weights": _weights_doc(tma, tma, persistent)}
 
 
-def render_module(rows: list[Row], title: str, header: list[str]) -> str:
-    """Source of a module that serves each row's token range with its variant."""
+@dataclass(frozen=True)
+class TunedGpu:
+    """The GPU an emitted module was tuned on: the module refuses a GPU of another compute capability
+    before any launch, and names the commands that make one for it (`shape_options`: the CLI's options
+    that name the module's shape)."""
+
+    name: str
+    capability: tuple[int, int]
+    shape_options: str
+
+
+def render_module(rows: list[Row], title: str, header: list[str], tuned_gpu: TunedGpu | None = None) -> str:
+    """Source of a module that serves each row's token range with its variant; with `tuned_gpu`, one
+    that checks the GPU it runs on (trial modules, timed on the GPU they are rendered for, go without)."""
     if not rows:
         raise ValueError("a module needs at least one variant")
     table = sorted(rows, key=lambda r: r.max_tokens)
@@ -106,6 +118,7 @@ def render_module(rows: list[Row], title: str, header: list[str]) -> str:
     gluon_gemm2 = any(r.v.g2_gluon for r in rows)
     return _ENV.get_template("module.py.j2").render(
         title=title,
+        tuned_gpu=tuned_gpu,
         header=header,
         rows=[replace(r, max_tokens="float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens)) for r in table],
         hot_split=any(r.hot is not None for r in table),

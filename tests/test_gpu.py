@@ -280,3 +280,23 @@ def test_hot_split_in_a_cuda_graph(seed16_weights):
             g.replay()
             torch.cuda.synchronize()
             assert not error_stats(out, reference).failures(BAR), routing
+
+
+def test_a_module_tuned_on_another_architecture_refuses_before_any_launch(seed16_weights):
+    """The module of another GPU raises, naming this one, and leaves `out` untouched; the same rows
+    rendered for this GPU run."""
+    row = render.Row(float("inf"), VARIANTS["fused/fused small pdl"])
+    x, w, ids = make_tokens(Case(SEED16_SHAPE, 4, "uniform", seed=4), target.device())
+    major, minor = torch.cuda.get_device_capability()
+    other = render.TunedGpu("a GPU of another architecture", (major + 1, minor), "--shape 256,4096,2048,8")
+    module = render.load_source(render.render_module([row], "another GPU's", [], other))
+    out = torch.full_like(x, 7.0)
+    with pytest.raises(ValueError, match=rf"compute capability {major}\.{minor}; this module was tuned"):
+        module.fused_experts(x, *seed16_weights, w, ids, out=out)
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all()), "a kernel ran before the refusal"
+    here = render.TunedGpu(torch.cuda.get_device_name(), (major, minor), "--shape 256,4096,2048,8")
+    module = render.load_source(render.render_module([row], "this GPU's", [], here))
+    stats = error_stats(module.fused_experts(x, *seed16_weights, w, ids), moe_reference(x, *seed16_weights, w, ids))
+    assert not stats.failures(BAR), stats
+

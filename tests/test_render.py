@@ -39,7 +39,10 @@ def every_form_module() -> str:
         rows.append(render.Row(2 ** len(rows), dataclasses.replace(
             small_variant(*form, half_tail=True, pair_tail=True, block_m=64), g1_swap_tail=swap, g2_swap_tail=swap)))
     rows[-1] = render.Row(math.inf, rows[-1].v)
-    return render.render_module(rows, "every form", ["a test module"])
+    return render.render_module(rows, "every form", ["a test module"], H200)
+
+
+H200 = render.TunedGpu("NVIDIA H200", (9, 0), "--shape 256,4096,2048,8 --dtype bfloat16")
 
 
 def _ruff(path: Path) -> subprocess.CompletedProcess:
@@ -108,3 +111,26 @@ def test_every_form_module_loads_with_each_rows_flags():
     assert [row.dynamic_walk for row in module.VARIANTS][-4:-2] == [False, True]
     assert module.VARIANTS[-3].g1_gluon and module.VARIANTS[-3].g2_gluon
     assert [row.g1_swap_tail for row in module.VARIANTS][-3:] == [0, 16, 32]
+
+
+def test_an_emitted_module_refuses_a_gpu_of_another_architecture(monkeypatch):
+    """A module checks each GPU once against the compute capability it was tuned on, and a GPU of
+    another architecture gets a ValueError that names it and the commands that tune for it."""
+    module = render.load_source(render.render_module([render.Row(math.inf, small_variant())], "t", [], H200))
+    names = {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"}
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda index: {0: (9, 0), 1: (8, 0)}[index])
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda index: names[index])
+    module._check_gpu(0)
+    with pytest.raises(ValueError, match=r"cuda:1, a NVIDIA A100-SXM4-80GB of compute capability 8\.0; this module "
+                                         r"was tuned and verified on NVIDIA H200 \(9\.0\)") as refused:
+        module._check_gpu(1)
+    assert refused.value.args[0].endswith("moe-tune tune --shape 256,4096,2048,8 --dtype bfloat16 && "
+                                          "moe-tune emit --shape 256,4096,2048,8 --dtype bfloat16")
+
+
+def test_trial_modules_and_interpreter_modules_check_no_gpu():
+    """Trials run on the GPU they are rendered for, and a module tuned under the interpreter names
+    no GPU: neither carries the check (so trial sources, and their recorded hashes, are unchanged)."""
+    assert "_check_gpu" not in render.render_variant(small_variant())
+    assert "_check_gpu" in render.render_module([render.Row(math.inf, small_variant())], "t", [], H200)
+

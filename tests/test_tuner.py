@@ -60,6 +60,7 @@ def test_emit_import_and_check(tuned_db, tmp_path):
     source = path.read_text()
     assert "import torch" in source and "import triton" in source
     assert "autotune" not in source.split('"""', 2)[2]  # the module stands alone
+    assert ("_check_gpu" in source) == target.has_gpu()  # a module tuned on a GPU refuses other architectures
     module = render.load_path(path)
     assert [row.max_tokens for row in module.VARIANTS] == [3, math.inf]  # floor(sqrt(1 * 9)) = 3
     w13, w2 = make_weights(SHAPE, DEVICE, seed=4)
