@@ -94,9 +94,14 @@ class TunedGpu:
     shape_options: str
 
 
-def render_module(rows: list[Row], title: str, header: list[str], tuned_gpu: TunedGpu | None = None) -> str:
-    """Source of a module that serves each row's token range with its variant; with `tuned_gpu`, one
-    that checks the GPU it runs on (trial modules, timed on the GPU they are rendered for, go without)."""
+def render_module(rows: list[Row], title: str, header: list[str], tuned_gpu: TunedGpu | None = None,
+                  op_name: str | None = None) -> str:
+    """Source of a module that serves each row's token range with its variant. With `tuned_gpu`, the
+    module checks the GPU it runs on; with `op_name`, it defines the torch custom operator
+    moe_tune::op_name, which torch.compile calls in its place. Trial modules, timed on the GPU they are
+    rendered for and never compiled, go without both (so their sources, and hashes, stay as they were)."""
+    if op_name is not None and not op_name.isidentifier():
+        raise ValueError(f"op_name must be a Python identifier, got {op_name!r}")
     if not rows:
         raise ValueError("a module needs at least one variant")
     table = sorted(rows, key=lambda r: r.max_tokens)
@@ -119,6 +124,7 @@ def render_module(rows: list[Row], title: str, header: list[str], tuned_gpu: Tun
     return _ENV.get_template("module.py.j2").render(
         title=title,
         tuned_gpu=tuned_gpu,
+        op_name=op_name,
         header=header,
         rows=[replace(r, max_tokens="float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens)) for r in table],
         hot_split=any(r.hot is not None for r in table),

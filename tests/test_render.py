@@ -39,7 +39,7 @@ def every_form_module() -> str:
         rows.append(render.Row(2 ** len(rows), dataclasses.replace(
             small_variant(*form, half_tail=True, pair_tail=True, block_m=64), g1_swap_tail=swap, g2_swap_tail=swap)))
     rows[-1] = render.Row(math.inf, rows[-1].v)
-    return render.render_module(rows, "every form", ["a test module"], H200)
+    return render.render_module(rows, "every form", ["a test module"], H200, "every_form")
 
 
 H200 = render.TunedGpu("NVIDIA H200", (9, 0), "--shape 256,4096,2048,8 --dtype bfloat16")
