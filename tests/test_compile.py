@@ -90,3 +90,15 @@ def test_a_module_imported_again_uses_the_operator_it_defined(compiled_module, i
 def test_op_names_must_be_identifiers():
     with pytest.raises(ValueError, match="op_name must be a Python identifier"):
         render.render_module([render.Row(math.inf, small_variant())], "t", [], op_name="a-b")
+
+
+def test_a_symbolic_token_count_matches_the_eager_call(compiled_module):
+    """T symbolic (dynamic=True): the operator's fake body checks symbolic shapes; every count, zero
+    included, gives the eager call's result."""
+    module, _ = compiled_module
+    w13, w2 = make_weights(SHAPE, DEVICE, seed=1)
+    layer = torch.compile(lambda x, w, ids: module.fused_experts(x, w13, w2, w, ids) * 1, fullgraph=True,
+                          backend="aot_eager", dynamic=True)
+    for T in (3, 17, 0):
+        x, w, ids = make_tokens(Case(SHAPE, T, seed=T), DEVICE)
+        assert torch.equal(layer(x, w, ids), module.fused_experts(x, w13, w2, w, ids)), T
