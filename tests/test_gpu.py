@@ -299,4 +299,3 @@ def test_a_module_tuned_on_another_architecture_refuses_before_any_launch(seed16
     module = render.load_source(render.render_module([row], "this GPU's", [], here))
     stats = error_stats(module.fused_experts(x, *seed16_weights, w, ids), moe_reference(x, *seed16_weights, w, ids))
     assert not stats.failures(BAR), stats
-

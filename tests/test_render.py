@@ -128,9 +128,9 @@ def test_an_emitted_module_refuses_a_gpu_of_another_architecture(monkeypatch):
                                           "moe-tune emit --shape 256,4096,2048,8 --dtype bfloat16")
 
 
-def test_trial_modules_and_interpreter_modules_check_no_gpu():
-    """Trials run on the GPU they are rendered for, and a module tuned under the interpreter names
-    no GPU: neither carries the check (so trial sources, and their recorded hashes, are unchanged)."""
+def test_trial_modules_check_no_gpu():
+    """Trials run on the GPU they are rendered for: they carry no check (so trial sources, and their
+    recorded hashes, are unchanged); a module given the GPU it was tuned on carries it. (A module
+    emitted under the interpreter names no GPU: test_tuner's test_emit_import_and_check.)"""
     assert "_check_gpu" not in render.render_variant(small_variant())
     assert "_check_gpu" in render.render_module([render.Row(math.inf, small_variant())], "t", [], H200)
-
