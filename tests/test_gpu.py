@@ -299,3 +299,77 @@ def test_a_module_tuned_on_another_architecture_refuses_before_any_launch(seed16
     module = render.load_source(render.render_module([row], "this GPU's", [], here))
     stats = error_stats(module.fused_experts(x, *seed16_weights, w, ids), moe_reference(x, *seed16_weights, w, ids))
     assert not stats.failures(BAR), stats
+
+
+# A module of several forms (direct, fused, a routing-adaptive pair, Gluon with the sorted-out GEMM2)
+# with the planned launches of emitted modules (templates/fast_launch.py.j2).
+PLANNED_ROWS = [
+    render.Row(2, TINY_T_ONLY["direct/split tma pdl"]),
+    render.Row(10, VARIANTS["fused/fused small pdl"]),
+    render.Row(600, VARIANTS["fused/fused small pdl"], VARIANTS["split/fused tma pdl"], 64),
+    render.Row(float("inf"), VARIANTS["split/fused gluon g1 g2 tma-store sorted-out by-token"]),
+]
+
+
+def test_planned_launches_match_tritons_launches(seed16_weights):
+    """Calls of one key (after the first, taken from its plan) and of keys that differ in alignment,
+    dtype and stride, interleaved: bitwise what triton's own launches give, and inside the bar."""
+    module = render.load_source(render.render_module(PLANNED_ROWS, "planned", [], fast_launch=True))
+    assert module._FAST_LAUNCH
+    dev = target.device()
+    H = SEED16_SHAPE.H
+    for T in (1, 2, 7, 300, 1500):
+        x, w, ids = make_tokens(Case(SEED16_SHAPE, T, "zipf" if T == 300 else "uniform", seed=T), dev)
+        shifted = torch.cat([x.new_zeros(8), x.flatten()])[8:].view(x.shape)  # 16-byte aligned, another buffer
+        odd = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(x.shape)  # 2-byte aligned
+        calls = [(x, w, ids, None), (shifted, w.bfloat16(), ids.long(), None), (x, w, ids, 8), (odd, w, ids, None)]
+        for x_, w_, ids_, pad in calls * 2:
+            outs = []
+            for planned in (True, True, False):
+                module._FAST_LAUNCH = planned
+                out = torch.full((T, H + (pad or 0)), 7.0, dtype=x.dtype, device=dev)[:, :H]
+                try:
+                    module.fused_experts(x_, *seed16_weights, w_, ids_, out=out)
+                except ValueError as e:  # refused before any launch, as triton's path refuses it
+                    outs.append(str(e))
+                    continue
+                outs.append(out.clone())
+            if isinstance(outs[0], str):
+                assert outs == [outs[0]] * 3, (T, outs)
+                continue
+            assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2]), (T, x_.data_ptr() % 16, pad)
+        stats = error_stats(module.fused_experts(x, *seed16_weights, w, ids), moe_reference(x, *seed16_weights, w, ids))
+        assert not stats.failures(BAR), stats
+    module._FAST_LAUNCH = True
+    assert module._PLANS, "no call was planned"
+    # Inside a CUDA graph the planned launches are captured like triton's.
+    x, w, ids = make_tokens(Case(SEED16_SHAPE, 300, "zipf", seed=5), dev)
+    out = torch.empty_like(x)
+    module.fused_experts(x, *seed16_weights, w, ids, out=out)
+    expected = out.clone()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        module.fused_experts(x, *seed16_weights, w, ids, out=out)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_planned_launches_give_way_to_a_launch_hook(seed16_weights):
+    """With a triton launch hook installed (profilers), every launch goes through triton and is seen."""
+    import triton
+
+    module = render.load_source(render.render_module(PLANNED_ROWS[:2], "planned", [], fast_launch=True))
+    x, w, ids = make_tokens(Case(SEED16_SHAPE, 1, "uniform", seed=1), target.device())
+    module.fused_experts(x, *seed16_weights, w, ids)  # planned from here on
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        module.fused_experts(x, *seed16_weights, w, ids)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert len(seen) >= 3, seen
