@@ -95,11 +95,14 @@ class TunedGpu:
 
 
 def render_module(rows: list[Row], title: str, header: list[str], tuned_gpu: TunedGpu | None = None,
-                  op_name: str | None = None, fast_launch: bool = False) -> str:
+                  op_name: str | None = None, fast_launch: bool = False, graph_max_tokens: int = 0,
+                  graph_reason: str = "no row replays a graph") -> str:
     """Source of a module that serves each row's token range with its variant. With `tuned_gpu`, the
     module checks the GPU it runs on; with `op_name`, it defines the torch custom operator
     moe_tune::op_name, which torch.compile calls in its place; with `fast_launch`, an eager call whose
-    key was seen before launches its kernels without triton's per-launch binding (fast_launch.py.j2).
+    key was seen before launches its kernels without triton's per-launch binding (fast_launch.py.j2),
+    and one of at most `graph_max_tokens` tokens replays a CUDA graph of its call (graph_replay.py.j2;
+    `graph_reason` says in the module why that many).
     Trial modules, timed on the GPU they are rendered for (as CUDA graphs, which hold no host code)
     and never compiled, go without all three (so their sources, and hashes, stay as they were)."""
     if op_name is not None and not op_name.isidentifier():
@@ -128,6 +131,8 @@ def render_module(rows: list[Row], title: str, header: list[str], tuned_gpu: Tun
         tuned_gpu=tuned_gpu,
         op_name=op_name,
         fast_launch=fast_launch,
+        graph_max_tokens=int(graph_max_tokens),
+        graph_reason=graph_reason,
         header=header,
         rows=[replace(r, max_tokens="float('inf')" if math.isinf(r.max_tokens) else int(r.max_tokens)) for r in table],
         hot_split=any(r.hot is not None for r in table),

@@ -373,3 +373,118 @@ def test_planned_launches_give_way_to_a_launch_hook(seed16_weights):
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     torch.cuda.synchronize()
     assert len(seen) >= 3, seen
+
+
+# Eager calls of few tokens through the module's own CUDA graphs (templates/graph_replay.py.j2), on
+# Qwen3-30B-A3B's smaller experts, where a graph matters most.
+QWEN = Shape(E=128, H=2048, I=768, k=8)
+
+
+def _graph_module(max_tokens: int = 8):
+    rows = PLANNED_ROWS[:3]
+    return render.load_source(render.render_module(rows, "graphed", [], fast_launch=True, graph_max_tokens=max_tokens))
+
+
+def _graphs(module) -> int:
+    return sum(isinstance(g, module._Graph) for g in module._GRAPHS.values())
+
+
+def test_graph_replays_match_launches():
+    """Per token count: the first call eager, the second captured and replayed, later ones replayed,
+    each on new inputs: bitwise what the module's launches give, into a strided out= and from a
+    strided hidden_states, per weight pair and per stream; above _GRAPH_MAX_TOKENS no graph."""
+    module = _graph_module()
+    dev = target.device()
+    weights = [make_weights(QWEN, dev, seed=s) for s in (3, 4)]
+    side = torch.cuda.Stream()
+
+    def launched(x, w13, w2, w, ids):
+        module._GRAPH_MAX_TOKENS, out = 0, module.fused_experts(x, w13, w2, w, ids)
+        module._GRAPH_MAX_TOKENS = 8
+        return out
+
+    for T in (1, 2, 7, 8, 9):
+        for call in range(4):
+            for w13, w2 in weights:
+                for stream in (torch.cuda.current_stream(), side):
+                    with torch.cuda.stream(stream):
+                        x, w, ids = make_tokens(Case(QWEN, T, "uniform", seed=10 * T + call), dev)
+                        wide = torch.zeros((T, 2 * QWEN.H), dtype=x.dtype, device=dev)
+                        wide[:, :QWEN.H] = x
+                        x = wide[:, :QWEN.H]  # rows 2H apart
+                        out = torch.full((T, QWEN.H + 8), 7.0, dtype=x.dtype, device=dev)
+                        module.fused_experts(x, w13, w2, w, ids, out=out[:, :QWEN.H])
+                        expected = launched(x, w13, w2, w, ids)
+                        stats = error_stats(out[:, :QWEN.H], moe_reference(x, w13, w2, w, ids))
+                    torch.cuda.synchronize()
+                    assert torch.equal(out[:, :QWEN.H], expected), (T, call)
+                    assert bool((out[:, QWEN.H:] == 7.0).all()), "written past out's columns"
+                    assert not stats.failures(BAR), stats
+        # Two weight pairs x two streams: four graphs per token count up to the limit, none beyond.
+        assert _graphs(module) == 4 * len([t for t in (1, 2, 7, 8) if t <= T]), (T, _graphs(module))
+
+
+def test_graph_replays_serve_threads_and_step_aside_in_a_capture():
+    """Threads calling one key on one stream (one graph's buffers) each get their own result; inside
+    the caller's CUDA graph capture the module's kernels are captured, not its graph replayed."""
+    import threading
+
+    module = _graph_module()
+    dev = target.device()
+    w13, w2 = make_weights(QWEN, dev, seed=3)
+    inputs = [make_tokens(Case(QWEN, 4, "uniform", seed=s), dev) for s in range(4)]
+    expected = []
+    for x, w, ids in inputs:
+        module._GRAPH_MAX_TOKENS, out = 0, module.fused_experts(x, w13, w2, w, ids)
+        expected.append(out)
+    module._GRAPH_MAX_TOKENS = 8
+    results = {}
+
+    def work(i):
+        x, w, ids = inputs[i]
+        results[i] = [module.fused_experts(x, w13, w2, w, ids) for _ in range(30)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert _graphs(module) == 1
+    for i in range(4):
+        assert all(torch.equal(r, expected[i]) for r in results[i]), i
+    # The caller's capture: the graph replayed later computes what the module computes eagerly.
+    x, w, ids = inputs[0]
+    out = torch.empty_like(x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        module.fused_experts(x, w13, w2, w, ids, out=out)
+    for i in range(1, 4):
+        for captured, new in zip((x, w, ids), inputs[i], strict=True):
+            captured.copy_(new)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected[i]), i
+    assert _graphs(module) == 1
+
+
+def test_graph_replays_give_way_to_a_launch_hook():
+    """With a triton launch hook installed, a call that would replay a graph launches its kernels."""
+    import triton
+
+    module = _graph_module()
+    dev = target.device()
+    w13, w2 = make_weights(QWEN, dev, seed=3)
+    x, w, ids = make_tokens(Case(QWEN, 1, "uniform", seed=1), dev)
+    for _ in range(3):
+        module.fused_experts(x, w13, w2, w, ids)
+    assert _graphs(module) == 1
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        module.fused_experts(x, w13, w2, w, ids)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert len(seen) >= 3, seen

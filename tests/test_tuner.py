@@ -486,3 +486,18 @@ def test_a_new_shape_is_probed_with_its_neighbours_leaders(tmp_path):
         assert not space.in_space(too_wide, case)
         s.query(db.Trial).filter(db.Trial.params == lead_high.as_dict()).delete()  # too_wide now leads high
         assert tuner._transfer_probes(s, fp, case) == []
+
+
+def test_graph_tokens_covers_the_leading_rows_tuned_under_the_bound():
+    """Eager calls replay a CUDA graph up to the last token count served by the leading rows tuned
+    under emit.GRAPH_BELOW_MS: never past a slower row, the last row only up to its tuned T."""
+    fast, slow = emit.GRAPH_BELOW_MS / 2, emit.GRAPH_BELOW_MS
+    assert emit.graph_tokens([(1, 2, fast), (4, 8, fast), (16, 32, slow), (64, math.inf, fast)])[0] == 8
+    assert emit.graph_tokens([(1, 1, slow), (2, 2, fast), (4, math.inf, fast)]) == (
+        0, f"no row tuned under {emit.GRAPH_BELOW_MS} ms (emit.GRAPH_BELOW_MS)")
+    assert emit.graph_tokens([(1, 2, fast), (4, math.inf, fast)])[0] == 4
+    # The committed modules say how far their graphs reach, and why.
+    for shape, _, _ in COMMITTED_MODULES:
+        path = emit.module_path(db.COMMITTED_FINGERPRINT, shape.key)
+        if path.exists():
+            assert "_GRAPH_MAX_TOKENS = " in path.read_text()

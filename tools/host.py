@@ -9,13 +9,14 @@ rounds: the host is shared and its speed moves between rounds (NOTES 53, 66), so
 separate two forms of the host code, and one round of 200 calls can fill the launch queue and time
 the GPU instead (T=64 in run 85). Where the host's time exceeds the graph's time per call, eager
 calls leave the GPU idle between kernels and run at the host's pace; where it is below, the launch
-queue runs ahead and eager calls cost what the graph's do. A module with planned launches (NOTES 66)
-is also timed with them off (`_FAST_LAUNCH = False`: triton's own launches), its rounds interleaved
-with the planned ones. Both device timings come after the tuner's settle (timing.SETTLE_MS), in ABBA
-rounds (graph, eager, eager, graph, ...): the first timing of a process runs at a higher clock than
-the later ones (NOTES 54), so a fixed order favours whichever mode goes first. Each mode's figure is
-the median of its rounds' medians. MODULE defaults to this GPU's emitted seed16 module, the shape to
-seed16's (bf16).
+queue runs ahead and eager calls cost what the graph's do. Each of the module's eager paths is timed:
+its own graph replays for few tokens (`_GRAPH_MAX_TOKENS`, NOTES 67), its planned launches (NOTES 66;
+`_GRAPH_MAX_TOKENS = 0`) and triton's own launches (`_FAST_LAUNCH = False` too), host rounds
+interleaved. The device timings come after the tuner's settle (timing.SETTLE_MS), the modes (the
+caller's graph, then each eager path) in order and reversed in turn: the first timing of a process
+runs at a higher clock than the later ones (NOTES 54), so a fixed order favours whichever mode goes
+first. Each mode's figure is the median of its rounds' medians. MODULE defaults to this GPU's
+emitted seed16 module, the shape to seed16's (bf16).
 """
 
 import functools
@@ -32,7 +33,23 @@ from autotune.workloads import SEED16_SHAPE, make_tokens, make_weights, parse_sh
 
 HOST_CALLS = 50
 HOST_ROUNDS = 5
-ROUNDS = 2  # each an ABBA pair: graph, eager, eager, graph
+ROUNDS = 4  # the modes in order, then reversed, and so on
+
+
+def eager_paths(module) -> dict[str, tuple[bool, int]]:
+    """The module's eager paths as its (_FAST_LAUNCH, _GRAPH_MAX_TOKENS) settings: its own graph replays
+    (NOTES 67) and planned launches (NOTES 66) where it has them, triton's own launches always."""
+    paths = {}
+    if getattr(module, "_GRAPH_MAX_TOKENS", 0):
+        paths["replay"] = (True, module._GRAPH_MAX_TOKENS)
+    if getattr(module, "_FAST_LAUNCH", False):
+        paths["planned"] = (True, 0)
+    paths["triton"] = (False, 0)
+    return paths
+
+
+def set_path(module, setting: tuple[bool, int]) -> None:
+    module._FAST_LAUNCH, module._GRAPH_MAX_TOKENS = setting
 
 
 def host_us_per_call(fn, calls: int = HOST_CALLS) -> float:
@@ -46,22 +63,6 @@ def host_us_per_call(fn, calls: int = HOST_CALLS) -> float:
     elapsed = time.perf_counter() - t0
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
-
-
-def host_figures(module, call) -> dict[str, float]:
-    """The best of HOST_ROUNDS host rounds per launch path: "planned" and "triton" where the module
-    plans its launches (rounds interleaved, the module's setting restored), else "host" alone."""
-    if not getattr(module, "_FAST_LAUNCH", False):
-        return {"host": min(host_us_per_call(call) for _ in range(HOST_ROUNDS))}
-    setting, best = module._FAST_LAUNCH, {"planned": float("inf"), "triton": float("inf")}
-    try:
-        for _ in range(HOST_ROUNDS):
-            for path in best:
-                module._FAST_LAUNCH = path == "planned"
-                best[path] = min(best[path], host_us_per_call(call))
-    finally:
-        module._FAST_LAUNCH = setting
-    return best
 
 
 def main(argv: list[str]) -> int:
@@ -78,21 +79,33 @@ def main(argv: list[str]) -> int:
     dev = target.device()
     w13, w2 = make_weights(shape, dev, seed=3)
     print(f"{path.name} on {target.fingerprint().key}")
-    planned = getattr(module, "_FAST_LAUNCH", False)
-    host_columns = "host us per call, planned | host us per call, triton's launches" if planned else "host us per call"
-    print(f"| T | graph us | eager us | eager / graph | {host_columns} |")
-    print("|---:|---:|---:|---:|---:|" + ("---:|" if planned else ""))
-    for T in tokens:
-        x, w, ids = make_tokens(suite(shape, [T])[0], dev)
-        call = functools.partial(module.fused_experts, x, w13, w2, w, ids, out=torch.empty_like(x))
-        times = {True: [], False: []}
-        for _ in range(ROUNDS):
-            for graph in (True, False, False, True):
-                times[graph].append(time_fn(call, graph=graph, settle_ms=SETTLE_MS).median_ms * 1e3)
-        graph, eager = statistics.median(times[True]), statistics.median(times[False])
-        host = host_figures(module, call)
-        print(f"| {T} | {graph:.1f} | {eager:.1f} | {eager / graph:.3f} | "
-              + " | ".join(f"{us:.1f}" for us in host.values()) + " |")
+    paths = eager_paths(module)
+    own = getattr(module, "_FAST_LAUNCH", False), getattr(module, "_GRAPH_MAX_TOKENS", 0)
+    print("| T | graph us | " + " | ".join(f"eager us, {p}" for p in paths) + " | "
+          + " | ".join(f"eager / graph, {p}" for p in paths) + " | "
+          + " | ".join(f"host us per call, {p}" for p in paths) + " |")
+    print("|---:|---:|" + "---:|" * 3 * len(paths))
+    try:
+        for T in tokens:
+            x, w, ids = make_tokens(suite(shape, [T])[0], dev)
+            call = functools.partial(module.fused_experts, x, w13, w2, w, ids, out=torch.empty_like(x))
+            modes = [None, *paths]  # None: the whole call as the caller's CUDA graph
+            times = {m: [] for m in modes}
+            for r in range(ROUNDS):
+                for m in modes if r % 2 == 0 else modes[::-1]:
+                    set_path(module, own if m is None else paths[m])
+                    times[m].append(time_fn(call, graph=m is None, settle_ms=SETTLE_MS).median_ms * 1e3)
+            us = {m: statistics.median(v) for m, v in times.items()}
+            host = dict.fromkeys(paths, float("inf"))
+            for _ in range(HOST_ROUNDS):
+                for p in paths:
+                    set_path(module, paths[p])
+                    host[p] = min(host[p], host_us_per_call(call))
+            print(f"| {T} | {us[None]:.1f} | " + " | ".join(f"{us[p]:.1f}" for p in paths) + " | "
+                  + " | ".join(f"{us[p] / us[None]:.3f}" for p in paths) + " | "
+                  + " | ".join(f"{host[p]:.1f}" for p in paths) + " |")
+    finally:
+        set_path(module, own)
     return 0
 
 
