@@ -488,3 +488,22 @@ def test_graph_replays_give_way_to_a_launch_hook():
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     torch.cuda.synchronize()
     assert len(seen) >= 3, seen
+
+
+def test_graph_replays_stay_out_of_torch_compile():
+    """A compiled caller (mode="reduce-overhead": torch's own CUDA graphs, warm-up runs included)
+    gets the module's kernels, bitwise the eager call's output, and no graph of the module's."""
+    module = render.load_source(render.render_module(PLANNED_ROWS[:3], "graphed", [], op_name="graphed_gpu_test",
+                                                     fast_launch=True, graph_max_tokens=8))
+    dev = target.device()
+    w13, w2 = make_weights(QWEN, dev, seed=3)
+    layer = torch.compile(lambda x, w, ids: module.fused_experts(x, w13, w2, w, ids) * 2, mode="reduce-overhead",
+                          fullgraph=True)
+    for call in range(6):
+        x, w, ids = make_tokens(Case(QWEN, 1, "uniform", seed=call), dev)
+        got = layer(x, w, ids).clone()
+        module._GRAPH_MAX_TOKENS, expected = 0, module.fused_experts(x, w13, w2, w, ids) * 2
+        module._GRAPH_MAX_TOKENS = 8
+        torch.cuda.synchronize()
+        assert torch.equal(got, expected), call
+    assert _graphs(module) == 0
