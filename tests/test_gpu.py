@@ -507,3 +507,31 @@ def test_graph_replays_stay_out_of_torch_compile():
         torch.cuda.synchronize()
         assert torch.equal(got, expected), call
     assert _graphs(module) == 0
+
+
+def test_a_graph_that_cannot_be_captured_leaves_its_calls_eager():
+    """A capture that fails warns once and leaves its key eager, with the right output; past
+    _MAX_GRAPHS keys, calls run eagerly too."""
+    module = _graph_module()
+    dev = target.device()
+    w13, w2 = make_weights(QWEN, dev, seed=3)
+    run = module._run_planned
+
+    def uncapturable(*args):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed while capturing: the capture fails
+        run(*args)
+
+    module._run_planned = uncapturable
+    x, w, ids = make_tokens(Case(QWEN, 2, "uniform", seed=1), dev)
+    expected = module.fused_experts(x, w13, w2, w, ids)
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        got = module.fused_experts(x, w13, w2, w, ids)
+    assert torch.equal(got, expected) and _graphs(module) == 0
+    assert torch.equal(module.fused_experts(x, w13, w2, w, ids), expected)  # no second try, no warning
+    module._run_planned, module._MAX_GRAPHS = run, 2  # the failed key holds one of the two
+    for T in (1, 4):
+        x, w, ids = make_tokens(Case(QWEN, T, "uniform", seed=T), dev)
+        outs = [module.fused_experts(x, w13, w2, w, ids) for _ in range(3)]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+    assert _graphs(module) == 1 and len(module._GRAPHS) == 2
