@@ -389,6 +389,15 @@ def _graphs(module) -> int:
     return sum(isinstance(g, module._Graph) for g in module._GRAPHS.values())
 
 
+def _launched(module, *args):
+    """The call by the module's launches (no graph of its own), the module's setting restored."""
+    setting, module._GRAPH_MAX_TOKENS = module._GRAPH_MAX_TOKENS, 0
+    try:
+        return module.fused_experts(*args)
+    finally:
+        module._GRAPH_MAX_TOKENS = setting
+
+
 def test_graph_replays_match_launches():
     """Per token count: the first call eager, the second captured and replayed, later ones replayed,
     each on new inputs: bitwise what the module's launches give, into a strided out= and from a
@@ -399,9 +408,7 @@ def test_graph_replays_match_launches():
     side = torch.cuda.Stream()
 
     def launched(x, w13, w2, w, ids):
-        module._GRAPH_MAX_TOKENS, out = 0, module.fused_experts(x, w13, w2, w, ids)
-        module._GRAPH_MAX_TOKENS = 8
-        return out
+        return _launched(module, x, w13, w2, w, ids)
 
     for T in (1, 2, 7, 8, 9):
         for call in range(4):
@@ -435,9 +442,7 @@ def test_graph_replays_serve_threads_and_step_aside_in_a_capture():
     inputs = [make_tokens(Case(QWEN, 4, "uniform", seed=s), dev) for s in range(4)]
     expected = []
     for x, w, ids in inputs:
-        module._GRAPH_MAX_TOKENS, out = 0, module.fused_experts(x, w13, w2, w, ids)
-        expected.append(out)
-    module._GRAPH_MAX_TOKENS = 8
+        expected.append(_launched(module, x, w13, w2, w, ids))
     results = {}
 
     def work(i):
@@ -502,8 +507,7 @@ def test_graph_replays_stay_out_of_torch_compile():
     for call in range(6):
         x, w, ids = make_tokens(Case(QWEN, 1, "uniform", seed=call), dev)
         got = layer(x, w, ids).clone()
-        module._GRAPH_MAX_TOKENS, expected = 0, module.fused_experts(x, w13, w2, w, ids) * 2
-        module._GRAPH_MAX_TOKENS = 8
+        expected = _launched(module, x, w13, w2, w, ids) * 2
         torch.cuda.synchronize()
         assert torch.equal(got, expected), call
     assert _graphs(module) == 0
