@@ -33,25 +33,29 @@ def module_path(fp_key: str, shape_key: str, out_dir: Path = OUT_DIR, name: str 
 
 
 # Eager calls of the rows tuned faster than this replay a CUDA graph of the call (graph_replay.py.j2).
-# A replay saves the host's time (a planned eager call took 66-150 µs at T=1 on the H100 machines'
-# hosts, NOTES 66-67) but adds ~14 µs of GPU time (the copies in and out, the graph's launch): it
-# gains only where the host's time exceeds the GPU's by more than that, on every host seen where the
-# GPU's time is under this (NOTES 67: on a fast host, Qwen T=1 x0.75, but T=4 and seed16 T=1 x1.09-1.12).
-GRAPH_BELOW_MS = 0.05
+# A replay saves the host's time (a planned eager call takes 70-160 µs at T=1 on the lent machines'
+# hosts) but adds ~13-15 µs of GPU time (the copies in and out, the graph's launch), so it gains where
+# the GPU's time is short of the host's by more than that. On the H200 machine (NOTES 67) it gained at
+# GPU times of 31-98 µs (Qwen T=1-4, seed16 T=1: x0.54-0.93) and lost at 131 µs (Qwen T=8: x1.09); on
+# a faster H100 host it lost 9-12% from ~100 µs up.
+GRAPH_BELOW_MS = 0.125
 
 
 def graph_tokens(rows: list[tuple[int, float, float]]) -> tuple[int, str]:
     """How many tokens a call may have and replay a graph, from (tuned T, row's token limit, tuned ms)
-    in order: the tokens served by the leading rows tuned under GRAPH_BELOW_MS (the last row up to its
-    tuned T only); and the reason, for the module."""
-    n, fast = 0, []
+    in order: the tokens served by the leading rows tuned under GRAPH_BELOW_MS, the last of them up to
+    its tuned T only (beyond it the GPU's time grows towards the next, slower row's); and the reason,
+    for the module."""
+    fast = []
     for T, limit, ms in rows:
         if ms >= GRAPH_BELOW_MS:
             break
-        n, fast = int(min(limit, T) if math.isinf(limit) else limit), [*fast, T]
+        fast.append((T, limit))
     if not fast:
         return 0, f"no row tuned under {GRAPH_BELOW_MS} ms (emit.GRAPH_BELOW_MS)"
-    return n, f"the rows of T = {', '.join(map(str, fast))}, tuned under {GRAPH_BELOW_MS} ms (emit.GRAPH_BELOW_MS)"
+    n = max(fast[-1][0], int(fast[-2][1]) if len(fast) > 1 else 0)
+    tuned = ", ".join(str(T) for T, _ in fast)
+    return n, f"the rows of T = {tuned}, tuned under {GRAPH_BELOW_MS} ms (emit.GRAPH_BELOW_MS)"
 
 
 def thresholds(tokens: list[int]) -> list[float]:

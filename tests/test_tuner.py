@@ -489,13 +489,15 @@ def test_a_new_shape_is_probed_with_its_neighbours_leaders(tmp_path):
 
 
 def test_graph_tokens_covers_the_leading_rows_tuned_under_the_bound():
-    """Eager calls replay a CUDA graph up to the last token count served by the leading rows tuned
-    under emit.GRAPH_BELOW_MS: never past a slower row, the last row only up to its tuned T."""
+    """Eager calls replay a CUDA graph up to the tokens served by the leading rows tuned under
+    emit.GRAPH_BELOW_MS: never past a slower row, the last fast row only up to its tuned T."""
     fast, slow = emit.GRAPH_BELOW_MS / 2, emit.GRAPH_BELOW_MS
-    assert emit.graph_tokens([(1, 2, fast), (4, 8, fast), (16, 32, slow), (64, math.inf, fast)])[0] == 8
+    assert emit.graph_tokens([(1, 2, fast), (4, 8, fast), (16, 32, slow), (64, math.inf, fast)])[0] == 4
+    assert emit.graph_tokens([(1, 2, fast), (4, 8, slow)])[0] == 1
     assert emit.graph_tokens([(1, 1, slow), (2, 2, fast), (4, math.inf, fast)]) == (
         0, f"no row tuned under {emit.GRAPH_BELOW_MS} ms (emit.GRAPH_BELOW_MS)")
     assert emit.graph_tokens([(1, 2, fast), (4, math.inf, fast)])[0] == 4
+    assert emit.graph_tokens([(1, 2, fast), (2, 5, fast), (8, math.inf, fast)])[0] == 8
     # The committed modules say how far their graphs reach, and why.
     for shape, _, _ in COMMITTED_MODULES:
         path = emit.module_path(db.COMMITTED_FINGERPRINT, shape.key)
