@@ -407,9 +407,6 @@ def test_graph_replays_match_launches():
     weights = [make_weights(QWEN, dev, seed=s) for s in (3, 4)]
     side = torch.cuda.Stream()
 
-    def launched(x, w13, w2, w, ids):
-        return _launched(module, x, w13, w2, w, ids)
-
     for T in (1, 2, 7, 8, 9):
         for call in range(4):
             for w13, w2 in weights:
@@ -421,7 +418,7 @@ def test_graph_replays_match_launches():
                         x = wide[:, :QWEN.H]  # rows 2H apart
                         out = torch.full((T, QWEN.H + 8), 7.0, dtype=x.dtype, device=dev)
                         module.fused_experts(x, w13, w2, w, ids, out=out[:, :QWEN.H])
-                        expected = launched(x, w13, w2, w, ids)
+                        expected = _launched(module, x, w13, w2, w, ids)
                         stats = error_stats(out[:, :QWEN.H], moe_reference(x, w13, w2, w, ids))
                     torch.cuda.synchronize()
                     assert torch.equal(out[:, :QWEN.H], expected), (T, call)
