@@ -400,8 +400,8 @@ def _launched(module, *args):
 
 def test_graph_replays_match_launches():
     """Per token count: the first call eager, the second captured and replayed, later ones replayed,
-    each on new inputs: bitwise what the module's launches give, into a strided out= and from a
-    strided hidden_states, per weight pair and per stream; above _GRAPH_MAX_TOKENS no graph."""
+    each on new inputs: bitwise what the module's launches give, into a strided out= and from a dense
+    and a row-strided hidden_states, per weight pair and per stream; above _GRAPH_MAX_TOKENS no graph."""
     module = _graph_module()
     dev = target.device()
     weights = [make_weights(QWEN, dev, seed=s) for s in (3, 4)]
@@ -413,9 +413,10 @@ def test_graph_replays_match_launches():
                 for stream in (torch.cuda.current_stream(), side):
                     with torch.cuda.stream(stream):
                         x, w, ids = make_tokens(Case(QWEN, T, "uniform", seed=10 * T + call), dev)
-                        wide = torch.zeros((T, 2 * QWEN.H), dtype=x.dtype, device=dev)
-                        wide[:, :QWEN.H] = x
-                        x = wide[:, :QWEN.H]  # rows 2H apart
+                        if call % 2:  # dense inputs stage as one byte copy, a row-strided x one by one
+                            wide = torch.zeros((T, 2 * QWEN.H), dtype=x.dtype, device=dev)
+                            wide[:, :QWEN.H] = x
+                            x = wide[:, :QWEN.H]  # rows 2H apart
                         out = torch.full((T, QWEN.H + 8), 7.0, dtype=x.dtype, device=dev)
                         module.fused_experts(x, w13, w2, w, ids, out=out[:, :QWEN.H])
                         expected = _launched(module, x, w13, w2, w, ids)
@@ -427,6 +428,26 @@ def test_graph_replays_match_launches():
         # Two weight pairs x two streams: four graphs per token count up to the limit, none beyond.
         assert _graphs(module) == 4 * len([t for t in (1, 2, 7, 8) if t <= T]), (T, _graphs(module))
 
+
+def test_a_replay_of_dense_inputs_runs_two_kernels_beside_its_graph():
+    """A replayed call of dense inputs stages all three in one byte copy and copies the output out:
+    two kernels of torch's besides the graph's own (triton's, named after the module's functions)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    module = _graph_module()
+    dev = target.device()
+    w13, w2 = make_weights(QWEN, dev, seed=3)
+    x, w, ids = make_tokens(Case(QWEN, 2, "uniform", seed=1), dev)
+    for _ in range(3):  # eager, captured, replayed
+        module.fused_experts(x, w13, w2, w, ids)
+    torch.cuda.synchronize()
+    assert _graphs(module) == 1
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        module.fused_experts(x, w13, w2, w, ids)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    torch_kernels = [name for name in kernels if not name.startswith("_")]
+    assert len(torch_kernels) == 2 and len(kernels) > 2, kernels
 
 def test_graph_replays_serve_threads_and_step_aside_in_a_capture():
     """Threads calling one key on one stream (one graph's buffers) each get their own result; inside
