@@ -34,8 +34,8 @@ def module_path(fp_key: str, shape_key: str, out_dir: Path = OUT_DIR, name: str 
 
 # Eager calls of the rows tuned faster than this replay a CUDA graph of the call (graph_replay.py.j2).
 # A replay saves the host's time (a planned eager call takes 70-160 µs at T=1 on the lent machines'
-# hosts) but adds ~13-15 µs of GPU time (the copies in and out, the graph's launch), so it gains where
-# the GPU's time is short of the host's by more than that. On the H200 machine (NOTES 67) it gained at
+# hosts) but adds GPU time (the copies, the graph's launch: ~13-15 µs, 8-10 since NOTES 69), so it
+# gains where the GPU's time is short of the host's by more than that. On the H200 machine (NOTES 67) it gained at
 # GPU times of 31-98 µs (Qwen T=1-4, seed16 T=1: x0.54-0.93) and lost at 131 µs (Qwen T=8: x1.09); on
 # a faster H100 host it lost 9-12% from ~100 µs up.
 GRAPH_BELOW_MS = 0.125
