@@ -2442,21 +2442,21 @@ if _FAST_LAUNCH:
 
 
 # Eager calls of few tokens through a CUDA graph of the call. At small T even a planned eager call
-# costs the host more than the GPU's time (NOTES 66-67: 70-160 µs at T=1 on the lent machines' hosts,
-# where the GPU takes 31 µs for Qwen's experts, 98 for seed16's), so the GPU waits for the host
-# between kernels. A replay costs the host ~30-40 µs and the GPU ~8-10 µs more than the caller's own
-# graph would (the copies, the graph's launch; NOTES 69), so emit turns it on for the fastest rows only. A call of
-# at most _GRAPH_MAX_TOKENS tokens whose graph key was seen before copies its inputs into buffers of
-# its own, replays a graph of the call captured on those buffers, and copies the output out: one
-# graph launch and two copies instead of three to six launches and their host code. The first call
-# of a key runs eagerly (compiling and planning its launches), the second captures. A graph reads the
-# weights by address, so the key holds the weights' addresses, shapes and strides (a weight tensor
-# freed and another placed there with the same shape is read as what the call passes); and the
-# caller's stream: one stream's graphs share a memory pool for their intermediate buffers (no buffer
-# lives past its call) and replay in that stream's order. Steps aside inside a CUDA graph capture
-# (the caller's graph takes the kernels), under torch.compile (library_op.py.j2), while a launch hook
-# is installed, and where planned launches are off. A capture that fails leaves its key eager, with a
-# warning.
+# costs the host more than the GPU's time (NOTES 66-67: 70-160 µs at T=1 on the lent machines'
+# hosts, where the GPU takes 31 µs for Qwen's experts, 98 for seed16's), so the GPU waits for the
+# host between kernels. A replay costs the host ~30-40 µs and the GPU ~8-10 µs more than the
+# caller's own graph would (the copies, the graph's launch; NOTES 69), so emit turns it on for the
+# fastest rows only. A call of at most _GRAPH_MAX_TOKENS tokens whose graph key was seen before
+# copies its inputs into buffers of its own, replays a graph of the call captured on those buffers,
+# and copies the output out: one graph launch and two copies instead of three to six launches and
+# their host code. The first call of a key runs eagerly (compiling and planning its launches), the
+# second captures. A graph reads the weights by address, so the key holds the weights' addresses,
+# shapes and strides (a weight tensor freed and another placed there with the same shape is read as
+# what the call passes); and the caller's stream: one stream's graphs share a memory pool for their
+# intermediate buffers (no buffer lives past its call) and replay in that stream's order. Steps
+# aside inside a CUDA graph capture (the caller's graph takes the kernels), under torch.compile
+# (library_op.py.j2), while a launch hook is installed, and where planned launches are off. A
+# capture that fails leaves its key eager, with a warning.
 _GRAPH_MAX_TOKENS = 1  # the rows of T = 1, tuned under 0.125 ms (emit.GRAPH_BELOW_MS)
 _MAX_GRAPHS = 1024  # graph keys held (a weight pair, token count and stream each); past this, calls run eagerly
 
