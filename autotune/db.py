@@ -181,11 +181,12 @@ def cached_result(session: Session, fingerprint: str, case_key: str, source_hash
 
 
 def _latest_per_source(trials) -> list[Trial]:
-    """One trial per measured source, its latest (`tune --retime` times a source again so that the
-    contenders compare on one state of the GPU: the newer timing is the one that counts)."""
-    latest: dict[str, Trial] = {}
+    """One trial per measured source and case, its latest (`tune --retime` times a source again so that
+    the contenders compare on one state of the GPU: the newer timing is the one that counts). A source
+    is the same module at every T, so its timings on two cases are two results, not one."""
+    latest: dict[tuple[str, str], Trial] = {}
     for t in sorted(trials, key=lambda t: t.id):
-        latest[t.source_hash or f"#{t.id}"] = t
+        latest[t.case_key, t.source_hash or f"#{t.id}"] = t
     return list(latest.values())
 
 

@@ -93,6 +93,23 @@ def test_cli_show_emit_check(tuned_db, tmp_path, capsys):
     assert "2 of 2 cases pass" in capsys.readouterr().out
 
 
+
+def test_a_source_measured_on_two_cases_counts_for_each(tuned_db, tmp_path):
+    """One variant is one source at every T: its timing on one case must not hide its timing on
+    another (`show` once dropped every case whose leader another case then measured)."""
+    url = _copy_of(tuned_db[0], tmp_path)
+    fp = target.fingerprint().key
+    with Session(db.connect(url)) as s:
+        before = db.best_trials(s, fp)
+        lead, other = before[CASES[0].key], before[CASES[1].key]
+        # CASES[0]'s leader measured on CASES[1] afterwards, slower than CASES[1]'s own leader.
+        db.record_trial(s, run_id=lead.run_id, study=other.study, fingerprint=fp, case_key=other.case_key,
+                        case=other.case, params=lead.params, label=lead.label, source_hash=lead.source_hash,
+                        status="ok", median_ms=other.median_ms * 10)
+        after = db.best_trials(s, fp)
+    assert {key: t.id for key, t in after.items()} == {key: t.id for key, t in before.items()}
+
+
 def test_cli_rejects_bad_shape(capsys):
     assert cli.main(["emit", "--shape", "4,32,32"]) == 2
     assert "four positive integers" in capsys.readouterr().err
