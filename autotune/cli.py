@@ -1,4 +1,5 @@
-"""`moe-tune`: tune, emit, bench, show, check, space, sm90. Thin: parse, call, print."""
+"""`moe-tune`: tune MoE routed-expert kernels for this GPU, emit the best as a module, bench it, and
+inspect the tuning database (tune, emit, bench, show, check, space, sm90)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ def _gpu() -> bool:
 
 
 def _url(args) -> str:
+    """--db as an SQLAlchemy URL; a plain file path means an SQLite database there."""
     from . import db
 
+    if args.db and "://" not in args.db:
+        return f"sqlite:///{Path(args.db).resolve()}"
     return args.db or db.default_url(_gpu())
 
 
@@ -122,6 +126,9 @@ def cmd_bench(args) -> int:
                              variant_for=getattr(module, "select_variant", None))
     result["module"] = str(path)
     print(bench.format_table(result))
+    if not _gpu():
+        print("(Interpreter wall-clock on the CPU, ceilings included: the pipeline runs end to end, but the "
+              "%SOL, rates and speed-ups say nothing about any GPU.)")
     sustained = bench.format_sustained(result)
     if sustained:
         print(sustained)
@@ -206,12 +213,16 @@ def cmd_space(args) -> int:
     from . import space, workloads
 
     case = _cases(args, kernels_run=False)[0] if args.shape else None
+    if case is not None:
+        print(f"(choices for {case.key}: some are capped by T, so other token counts may allow more)")
     print(f"{'parameter':<16} {'choices':<28} what it is for")
     for p in space.PARAMS:
         values = space.choices(p, case) if case else p.choices
         print(f"{p.name:<16} {', '.join(map(str, values)):<28} {p.doc}")
     if case is None:
-        print(f"\n(choices capped per case by its dimensions: pass --shape; e.g. {workloads.SEED16_SHAPE.key})")
+        s = workloads.SEED16_SHAPE
+        print(f"\n(choices capped per case by its dimensions: pass --shape and --tokens, e.g. --shape "
+              f"{s.E},{s.H},{s.I},{s.k} --tokens 8192)")
     return 0
 
 
@@ -240,9 +251,11 @@ def cmd_sm90(args) -> int:
 def _case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", help="E,H,I,k of a model (default: seed16 on a GPU, a tiny demo on the CPU)")
     p.add_argument("--tokens", help="token counts, e.g. 1,16,512 (default: the suite's)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="dtype of the activations and weights with --shape (default bfloat16, which the "
+                   "interpreter on a CPU cannot run: pass float16 there)")
     p.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
-    p.add_argument("--db", help="SQLAlchemy URL (default: sqlite file under db/)")
+    p.add_argument("--db", help="SQLAlchemy URL or SQLite file path (default: this machine's under db/)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -259,7 +272,7 @@ def parser() -> argparse.ArgumentParser:
                    "done and the queued re-timings and probes (instead of --trials' total; what each of several "
                    "workers on one database should give)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
     p.add_argument("--reps", type=int, default=None, help="timed repeats per trial (default 20 GPU, 2 CPU)")
     p.add_argument("--settle-ms", type=float, default=SETTLE_MS, help="device time each trial runs untimed before "
                    "its timing, so that every contender is timed in the state sustained load leaves the GPU in "
@@ -279,8 +292,9 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("emit", help="write the best variant per case as kernels_generated/<name>.py")
     _case_args(p)
-    p.add_argument("--name")
-    p.add_argument("--out-dir")
+    p.add_argument("--name", help="module name (default: <gpu>_sm<cc>_<shape>, e.g. "
+                   "h200_sm90_e256_h4096_i2048_k8_bfloat16)")
+    p.add_argument("--out-dir", help="where the module goes (default: kernels_generated/)")
     p.add_argument("--fingerprint", help="machine fingerprint to emit for (default: this machine's)")
     p.add_argument("--hot-routing", choices=("uniform", "zipf"),
                    help="routing-adaptive rows: where a case was also tuned under this routing (e.g. zipf), "
@@ -292,11 +306,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--module", help="emitted module path (default: this machine's for the shape)")
     p.add_argument("--json", help="where the JSON goes (default: next to the module, .bench.json)")
     p.add_argument("--png", help="write a plot here")
-    p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--no-peers", action="store_true", help="time the module alone, without the per-expert "
+                   "loop and the torch._grouped_mm pipeline")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("show", help="best variant per case and trial history from the database")
-    p.add_argument("--db", help="SQLAlchemy URL (default: sqlite file under db/)")
+    p.add_argument("--db", help="SQLAlchemy URL or SQLite file path (default: this machine's under db/; the "
+                   "committed GPU results: db/moe_tune.sqlite3)")
     p.add_argument("--history", type=int, default=0, help="also list the last N trials")
     p.add_argument("--case-key", help="limit the history (and --hill) to one case key")
     p.add_argument("--hill", action="store_true",
@@ -315,7 +331,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="check an emitted module against the fp32 reference on fresh inputs")
     _case_args(p)
-    p.add_argument("--module")
+    p.add_argument("--module", help="emitted module path (default: this machine's for the shape)")
     p.set_defaults(func=cmd_check)
     return ap
 
@@ -337,6 +353,9 @@ def main(argv=None) -> int:
     except (ValueError, LookupError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the output went into `head` or the like, which stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -181,8 +181,9 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
     best = {c.key: t for c in cases if (t := leader(session, fingerprint, c)) is not None}
     tuned = sorted((c for c in cases if c.key in best), key=lambda c: c.T)
     if not tuned:
-        raise LookupError(f"no verified trial on {fingerprint} for any of the {len(cases)} cases; "
-                          "run `moe-tune tune` first")
+        held = ", ".join(db.fingerprints(session)) or "none"
+        raise LookupError(f"no verified trial on {fingerprint} for any of the {len(cases)} cases; run `moe-tune "
+                          f"tune` first, or pass --fingerprint (this database holds runs of: {held})")
     missing = [c.T for c in cases if c.key not in best]
     rows, hot = [], {}
     for c, limit in zip(tuned, thresholds([c.T for c in tuned]), strict=True):

@@ -82,6 +82,8 @@ def test_cli_show_emit_check(tuned_db, tmp_path, capsys):
     assert cli.main(["show", "--db", url, "--history", "5"]) == 0
     shown = capsys.readouterr().out
     assert CASES[0].key in shown and "last 5 trials" in shown
+    assert cli.main(["show", "--db", url.removeprefix("sqlite:///")]) == 0  # a plain SQLite path works too
+    assert CASES[1].key in capsys.readouterr().out
     # --hill: each run's contest for one case, the first run leading.
     assert cli.main(["show", "--db", url, "--hill", "--case-key", CASES[0].key]) == 0
     hill = capsys.readouterr().out.split(f"== {CASES[0].key}: the leader run by run")[1].splitlines()[1:]
@@ -108,6 +110,27 @@ def test_a_source_measured_on_two_cases_counts_for_each(tuned_db, tmp_path):
                         status="ok", median_ms=other.median_ms * 10)
         after = db.best_trials(s, fp)
     assert {key: t.id for key, t in after.items()} == {key: t.id for key, t in before.items()}
+
+
+def test_an_emitted_module_refuses_what_the_interpreter_cannot_run(tuned_db, tmp_path):
+    """Under TRITON_INTERPRET=1 a bf16 tl.dot returns wrong values and a Gluon kernel cannot run at all:
+    an emitted module refuses both before any launch and says why (it once returned bf16 results off
+    by 1e11, and failed inside triton with "0 active drivers" on a Gluon row)."""
+    if GPU:
+        pytest.skip("the interpreter's limits; kernels here run on the GPU")
+    with Session(db.connect(tuned_db[0])) as s:
+        module = render.load_path(emit.emit(s, target.fingerprint().key, CASES, "tiny_interpreted", tmp_path))
+    bf16 = Shape(SHAPE.E, SHAPE.H, SHAPE.I, SHAPE.k, "bfloat16")
+    x, w, ids = make_tokens(Case(bf16, 3), DEVICE)
+    with pytest.raises(TypeError, match="hidden_states is bf16"):
+        module.fused_experts(x, *make_weights(bf16, DEVICE), w, ids)
+    # The committed seed16 module's first Gluon row, on small fp16 weights (the contract takes any shape).
+    committed = render.load_path(COMMITTED_MODULE)
+    T = next(2**i for i in range(16) if getattr(committed.select_variant(2**i), "g1_gluon", False)
+             or getattr(committed.select_variant(2**i), "g2_gluon", False))
+    x, w, ids = make_tokens(Case(SHAPE, T), DEVICE)
+    with pytest.raises(RuntimeError, match=f"T={T} is served by a variant with a Gluon GEMM"):
+        committed.fused_experts(x, *make_weights(SHAPE, DEVICE), w, ids)
 
 
 def test_cli_rejects_bad_shape(capsys):
