@@ -79,6 +79,9 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]) or not argv:
+        print(__doc__)
+        return 0 if argv else 2
     if not target.has_gpu():
         print("tools/ab.py times on the GPU; there is none here")
         return 1

@@ -66,6 +66,9 @@ def host_us_per_call(fn, calls: int = HOST_CALLS) -> float:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if not target.has_gpu():
         print("tools/host.py times on the GPU; there is none here")
         return 1

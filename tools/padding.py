@@ -34,6 +34,9 @@ def balanced_ids(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if not target.has_gpu():
         print("tools/padding.py times on the GPU; there is none here")
         return 1
