@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from sqlalchemy.exc import SQLAlchemyError
 
 
 def _cases(args, kernels_run: bool = True):
@@ -258,6 +259,17 @@ def _case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", help="SQLAlchemy URL or SQLite file path (default: this machine's under db/)")
 
 
+def _positive(kind):
+    """An argparse type: a number of `kind` above zero (0 repeats or a 0 s timeout would record every
+    trial as failed)."""
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    return parse
+
+
 def parser() -> argparse.ArgumentParser:
     from .timing import SETTLE_MS
 
@@ -273,11 +285,11 @@ def parser() -> argparse.ArgumentParser:
                    "workers on one database should give)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run")
     p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
-    p.add_argument("--reps", type=int, default=None, help="timed repeats per trial (default 20 GPU, 2 CPU)")
+    p.add_argument("--reps", type=_positive(int), default=None, help="timed repeats per trial (default 20 GPU, 2 CPU)")
     p.add_argument("--settle-ms", type=float, default=SETTLE_MS, help="device time each trial runs untimed before "
                    "its timing, so that every contender is timed in the state sustained load leaves the GPU in "
                    f"(default {SETTLE_MS:.0f}; 0: none)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a trial counts as hung")
+    p.add_argument("--timeout", type=_positive(float), default=900.0, help="seconds before a trial counts as hung")
     p.add_argument("--in-process", action="store_true", help="no worker process (a GPU fault ends the run)")
     p.add_argument("--probe", action="append", default=[], metavar="PARAM=VALUE[,...]",
                    help="also try each case's best variant with these parameters set, first (repeatable)")
@@ -352,6 +364,9 @@ def main(argv=None) -> int:
         return args.func(args)
     except (ValueError, LookupError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (SQLAlchemyError, ImportError) as exc:  # a --db URL that names no usable database or driver
+        print(f"error: database {getattr(args, 'db', None)!r}: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the output went into `head` or the like, which stopped reading
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

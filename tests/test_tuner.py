@@ -138,6 +138,17 @@ def test_cli_rejects_bad_shape(capsys):
     assert "four positive integers" in capsys.readouterr().err
 
 
+def test_cli_refuses_what_would_fail_every_trial_and_unknown_databases(capsys, tmp_path):
+    """0 repeats or a 0 s timeout would record every trial as failed; a URL of no installed dialect
+    is one line, not a traceback."""
+    for bad in (["--reps", "0"], ["--timeout", "0"]):
+        with pytest.raises(SystemExit):
+            cli.main(["tune", "--db", f"sqlite:///{tmp_path / 'x.sqlite3'}", *bad])
+        assert "must be above 0" in capsys.readouterr().err
+    assert cli.main(["show", "--db", "foo://bar"]) == 2
+    assert "error: database 'foo://bar'" in capsys.readouterr().err
+
+
 def test_isolated_worker_survives_crash_and_hang():
     case = CASES[0]
     good = render.render_variant(next(iter(search.starting_points(case)), None)
