@@ -17,7 +17,7 @@ from typing import TypeVar
 import optuna
 from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, create_engine, func, select
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from . import __version__
@@ -130,11 +130,15 @@ def with_driver(url: str) -> str:
 
 
 def connect(url: str) -> Engine:
-    """An engine on `url` with our tables created (SQLite's folder too)."""
+    """An engine on `url` with our tables created (SQLite's folder too). ValueError, naming the URL, where
+    it names no dialect or driver installed here, or a database that cannot be opened."""
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(with_driver(url))
-    _racing_schema(lambda: Base.metadata.create_all(engine))
+    try:
+        engine = create_engine(with_driver(url))
+        _racing_schema(lambda: Base.metadata.create_all(engine))
+    except (SQLAlchemyError, ImportError) as exc:
+        raise ValueError(f"database {url!r}: {str(exc).splitlines()[0]}") from exc
     return engine
 
 

@@ -95,7 +95,6 @@ def test_cli_show_emit_check(tuned_db, tmp_path, capsys):
     assert "2 of 2 cases pass" in capsys.readouterr().out
 
 
-
 def test_a_source_measured_on_two_cases_counts_for_each(tuned_db, tmp_path):
     """One variant is one source at every T: its timing on one case must not hide its timing on
     another (`show` once dropped every case whose leader another case then measured)."""
