@@ -24,7 +24,7 @@ def _cases(args, kernels_run: bool = True):
     if args.tokens:
         tokens = workloads.parse_tokens(args.tokens)
     if not _gpu() and shape.dtype == "bfloat16" and kernels_run:
-        raise SystemExit("error: bf16 cannot run here: triton's interpreter returns garbage for bf16 tl.dot; "
+        raise ValueError("bf16 cannot run here: triton's interpreter returns garbage for bf16 tl.dot; "
                          "pass --dtype float16 (or float32) on a machine without a GPU")
     return workloads.suite(shape, tokens, args.routing)
 
@@ -59,7 +59,7 @@ def cmd_tune(args) -> int:
     try:
         probes = tuple(space.parse_assignments(p) for p in args.probe)
     except ValueError as e:
-        raise SystemExit(f"moe-tune tune: --probe {e}") from None
+        raise ValueError(f"--probe {e}") from None
     _announce_cpu("tuning")
     cfg = TuneConfig(storage_url=_url(args), trials=args.trials, time_budget_s=args.time_budget,
                      more=args.more, seed=args.seed, isolate=not args.in_process, reps=args.reps,
@@ -67,8 +67,9 @@ def cmd_tune(args) -> int:
                      retime=args.retime, settle_ms=args.settle_ms, neighbours=args.neighbours)
     best = tune(cases, cfg)
     for key, ms in best.items():
-        print(f"{key}: leader {ms:.4f} ms")
-    return 0
+        print(f"{key}: " + (f"leader {ms:.4f} ms" if ms == ms else "no variant passed (see `moe-tune show "
+                                                                    f"--history 20 --case-key {key}`)"))
+    return 0 if all(ms == ms for ms in best.values()) else 1
 
 
 def cmd_emit(args) -> int:
@@ -77,9 +78,10 @@ def cmd_emit(args) -> int:
     from . import db, emit, target
 
     cases = _cases(args, kernels_run=False)
-    with Session(db.connect(_url(args))) as session:
+    with Session(db.connect(_url(args), create=False)) as session:
         path = emit.emit(session, args.fingerprint or target.fingerprint().key, cases, args.name,
-                         Path(args.out_dir) if args.out_dir else emit.OUT_DIR, args.hot_routing)
+                         Path(args.out_dir) if args.out_dir else emit.OUT_DIR, args.hot_routing,
+                         log=lambda m: print(m, file=sys.stderr))
     print(path)
     return 0
 
@@ -157,12 +159,15 @@ def cmd_show(args) -> int:
     from . import db, emit
     from .workloads import Case
 
-    with Session(db.connect(_url(args))) as session:
+    url = _url(args)
+    hint = "" if url == db.GPU_URL else f" (the committed GPU runs are in --db {db.GPU_PATH})"
+    if args.db is None and not Path(url.removeprefix("sqlite:///")).exists():
+        print(f"{url} holds no runs yet{hint}")  # this machine's default: nothing tuned here so far
+        return 0
+    with Session(db.connect(url, create=False)) as session:
         fps = db.fingerprints(session)
         if not fps:
-            url = _url(args)
-            print(f"{url} holds no runs yet" + ("" if url == db.GPU_URL else
-                                                f" (the committed GPU runs are in --db {db.GPU_URL})"))
+            print(f"{url} holds no runs yet{hint}")
             return 0
         for fp in fps:
             print(f"== {fp}: per case, the leader (what `emit` ships: of the code the templates render today, "
@@ -235,7 +240,7 @@ def cmd_sm90(args) -> int:
     fingerprint = args.fingerprint or target.fingerprint().key
     print(f"{'case':<12} {'kernel':<38} {'smem KB':>8} {'regs':>5} {'local B':>8} {'wgmma':>6} {'tma':>4} "
           f"{'cp.async':>8}  wgmma shape")
-    with Session(db.connect(_url(args))) as session:
+    with Session(db.connect(_url(args), create=False)) as session:
         for case in _cases(args, kernels_run=False):
             best = emit.leader(session, fingerprint, case)
             if best is None:
@@ -258,14 +263,26 @@ def _case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", help="SQLAlchemy URL or SQLite file path (default: this machine's under db/)")
 
 
+def _at_least(low: float, kind):
+    """An argparse type: a number of `kind` of at least `low` (0 repeats or a 0 s timeout would record
+    every trial as failed; a negative count or budget means nothing)."""
+    def parse(text: str):
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
+    return parse
+
+
 def _positive(kind):
-    """An argparse type: a number of `kind` above zero (0 repeats or a 0 s timeout would record every
-    trial as failed)."""
+    """An argparse type: a number of `kind` above zero."""
     def parse(text: str):
         value = kind(text)
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
         return value
+    parse.__name__ = kind.__name__
     return parse
 
 
@@ -277,15 +294,19 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="search the variant space per case; every trial goes to the database")
     _case_args(p)
-    p.add_argument("--trials", type=int, default=None, help="finished trials per case, resumed studies included "
+    p.add_argument("--trials", type=_positive(int), default=None,
+                   help="finished trials per case, resumed studies included "
                    "(default 40 on a GPU, 4 on the CPU)")
-    p.add_argument("--more", type=int, default=None, help="run this many sampled trials per case beyond those "
+    p.add_argument("--more", type=_at_least(0, int), default=None,
+                   help="run this many sampled trials per case beyond those "
                    "done and the queued re-timings and probes (instead of --trials' total; what each of several "
                    "workers on one database should give)")
-    p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run")
-    p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
+    p.add_argument("--time-budget", type=_positive(float), default=None, help="seconds for the whole run")
+    p.add_argument("--seed", type=int, default=None, help="the sampler's seed, to repeat a run (default: one "
+                   "per worker, from its host and process, so that workers on one database sample apart)")
     p.add_argument("--reps", type=_positive(int), default=None, help="timed repeats per trial (default 20 GPU, 2 CPU)")
-    p.add_argument("--settle-ms", type=float, default=SETTLE_MS, help="device time each trial runs untimed before "
+    p.add_argument("--settle-ms", type=_at_least(0, float), default=SETTLE_MS,
+                   help="device time each trial runs untimed before "
                    "its timing, so that every contender is timed in the state sustained load leaves the GPU in "
                    f"(default {SETTLE_MS:.0f}; 0: none)")
     p.add_argument("--timeout", type=_positive(float), default=900.0, help="seconds before a trial counts as hung")
@@ -295,7 +316,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--neighbours", action="store_true",
                    help="also try each case's best variant moved one step in each parameter (the next choice either "
                    "side, or the other flag), where unmeasured: a local search the sampler seldom does")
-    p.add_argument("--retime", type=int, default=0, metavar="N",
+    p.add_argument("--retime", type=_at_least(0, int), default=0, metavar="N",
                    help="first re-time each case's N best contenders (the leader first) in this run, so that "
                    "challengers meet them on one state of the GPU (default: 2 whenever the run measures anything), "
                    "and its N fastest variants whose code changed since they were timed (default 3)")
@@ -324,7 +345,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="best variant per case and trial history from the database")
     p.add_argument("--db", help="SQLAlchemy URL or SQLite file path (default: this machine's under db/; the "
                    "committed GPU results: db/moe_tune.sqlite3)")
-    p.add_argument("--history", type=int, default=0, help="also list the last N trials")
+    p.add_argument("--history", type=_at_least(0, int), default=0, help="also list the last N trials")
     p.add_argument("--case-key", help="limit the history (and --hill) to one case key")
     p.add_argument("--hill", action="store_true",
                    help="also each case's leader run by run: the bar, the best challenger, the outcome")
@@ -364,6 +385,10 @@ def main(argv=None) -> int:
     except (ValueError, LookupError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted" + (": every finished trial is in the database; the same command resumes"
+                                 if args.command == "tune" else ""), file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the output went into `head` or the like, which stopped reading
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -32,6 +32,11 @@ COMMITTED_FINGERPRINT = "H200-sm90-triton3.6.0"
 DEMO_URL = f"sqlite:///{DB_DIR / 'demo.sqlite3'}"
 
 STATUSES = ("ok", "rejected", "compile_error", "runtime_error", "wrong", "timeout", "crashed")
+# Outcomes the same code gives again on the same case and machine: reused, never re-run.
+SETTLED = ("ok", "compile_error", "wrong")
+# Failures that may be the machine's rather than the code's (another process's memory, a driver that
+# hung, a worker killed from outside): such a source is run again until it has failed this often.
+TRANSIENT_TRIES = 2
 
 
 def _now() -> datetime:
@@ -129,11 +134,19 @@ def with_driver(url: str) -> str:
     return f"postgresql{'+psycopg' if psycopg3_only else ''}://{rest}"
 
 
-def connect(url: str) -> Engine:
+def connect(url: str, create: bool = True) -> Engine:
     """An engine on `url` with our tables created (SQLite's folder too). ValueError, naming the URL, where
-    it names no dialect or driver installed here, or a database that cannot be opened."""
+    it names no dialect or driver installed here, or a database that cannot be opened; and, unless
+    `create`, an SQLite file that does not exist (a command that only reads must not leave an empty
+    database behind a mistyped path)."""
     if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        path = Path(url.removeprefix("sqlite:///"))
+        if not create and not path.is_file():
+            raise ValueError(f"database {url!r}: no such file")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a plain file where a folder must be
+            raise ValueError(f"database {url!r}: {exc}") from exc
     try:
         engine = create_engine(with_driver(url))
         _racing_schema(lambda: Base.metadata.create_all(engine))
@@ -176,12 +189,18 @@ def record_trial(session: Session, **fields) -> Trial:
 
 
 def cached_result(session: Session, fingerprint: str, case_key: str, source_hash: str) -> Trial | None:
-    """An earlier measured trial of the same source on the same case and machine, if any."""
-    return session.scalars(
+    """The latest trial of the same source on the same case and machine, where its outcome stands: a
+    settled one (a time, a compile error, a wrong answer), or a failure of another kind met in each of
+    its latest TRANSIENT_TRIES trials. None where the source is to be run (again)."""
+    latest = list(session.scalars(
         select(Trial).where(Trial.fingerprint == fingerprint, Trial.case_key == case_key,
                             Trial.source_hash == source_hash, Trial.status != "rejected")
-        .order_by(Trial.id.desc())
-    ).first()
+        .order_by(Trial.id.desc()).limit(TRANSIENT_TRIES)
+    ))
+    if latest and (latest[0].status in SETTLED
+                   or (len(latest) == TRANSIENT_TRIES and all(t.status not in SETTLED for t in latest))):
+        return latest[0]
+    return None
 
 
 def _latest_per_source(trials) -> list[Trial]:

@@ -174,10 +174,11 @@ def _tuned_gpu(gpu: str, capability: str, case: Case) -> render.TunedGpu | None:
 
 
 def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None = None,
-         out_dir: Path = OUT_DIR, hot_routing: str | None = None) -> Path:
+         out_dir: Path = OUT_DIR, hot_routing: str | None = None, log=lambda m: None) -> Path:
     """Render the module of the best verified variant of each case measured on `fingerprint`. With
     `hot_routing`, a row whose case was also tuned under that routing runs its hot experts (those
-    routed at least half the hot variant's block of rows) by that routing's leader (`hot_partner`)."""
+    routed at least half the hot variant's block of rows) by that routing's leader (`hot_partner`).
+    Cases without one are served by the nearest tuned row, and `log` is told."""
     best = {c.key: t for c in cases if (t := leader(session, fingerprint, c)) is not None}
     tuned = sorted((c for c in cases if c.key in best), key=lambda c: c.T)
     if not tuned:
@@ -185,6 +186,8 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
         raise LookupError(f"no verified trial on {fingerprint} for any of the {len(cases)} cases; run `moe-tune "
                           f"tune` first, or pass --fingerprint (this database holds runs of: {held})")
     missing = [c.T for c in cases if c.key not in best]
+    if missing:
+        log(f"not tuned on {fingerprint} (the nearest tuned row serves them): T = {', '.join(map(str, missing))}")
     rows, hot = [], {}
     for c, limit in zip(tuned, thresholds([c.T for c in tuned]), strict=True):
         v = Variant.from_dict(best[c.key].params)

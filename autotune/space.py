@@ -461,14 +461,15 @@ def _gluon_violations(v: Variant, case: Case, which: int) -> list[str]:
 
 def parse_assignments(text: str) -> dict:
     """`"g1_weight_tma=True,dispatch=split"` -> {"g1_weight_tma": True, "dispatch": "split"}, each value
-    one of its parameter's choices (ValueError naming the bad part otherwise)."""
+    one of its parameter's choices (ValueError naming the bad part otherwise); names and values in any
+    case (`true` is True)."""
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
-        p = PARAM_BY_NAME.get(name.strip())
+        p = PARAM_BY_NAME.get(name.strip().lower())
         if p is None:
             raise ValueError(f"{part!r}: no parameter {name.strip()!r} (see `moe-tune space`)")
-        match = [c for c in p.choices if str(c) == value.strip()]
+        match = [c for c in p.choices if str(c).lower() == value.strip().lower()]
         if not match:
             raise ValueError(f"{part!r}: {p.name} takes one of {', '.join(map(str, p.choices))}")
         out[p.name] = match[0]

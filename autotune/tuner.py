@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -39,7 +40,9 @@ class TuneConfig:
     trials: int = 30  # total per case: a resumed study only runs what is missing
     more: int | None = None  # if set, run this many trials per case beyond those already done
     time_budget_s: float | None = None  # for the whole run, shared out over the remaining cases
-    seed: int = 0
+    # The sampler's seed; None: one of this worker's own (_worker_seed), so that workers started together
+    # on one study do not sample the same points.
+    seed: int | None = 0
     isolate: bool = True
     reps: int = 20
     # Untimed load before each trial's timing (timing.time_fn): contenders timed in one card state.
@@ -115,6 +118,34 @@ def _fail_stale(study: optuna.Study, timeout_s: float) -> None:
             study.enqueue_trial(t.params)
 
 
+def _worker_seed() -> int:
+    """A sampler seed of this worker's own: its host and process."""
+    return zlib.crc32(f"{socket.gethostname()}:{os.getpid()}".encode())
+
+
+def sampler_seed(cfg: TuneConfig) -> int:
+    return _worker_seed() if cfg.seed is None else cfg.seed
+
+
+def _take_waiting(study: optuna.Study) -> list[dict]:
+    """The points an earlier run queued and did not reach (its time budget ran out), taken off the
+    queue to be queued again behind this run's re-timings: a run's first trials time the leader, so
+    that whatever a cut-short run measures meets the leader as timed in that run, never an older figure
+    from another state of the card. Each is claimed as optuna claims a queued point (a point another
+    worker has just taken stays its own), then closed as interrupted (not counted as finished)."""
+    points = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        try:
+            if not study._storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue
+        study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+        study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        points.append(t.system_attrs["fixed_params"])
+    return points
+
+
 def _tell(study: optuna.Study, trial: optuna.Trial, value=None, state=TrialState.COMPLETE, log=_log) -> None:
     """study.tell, where a trial closed meanwhile by another worker (it took this one for abandoned)
     is logged, not fatal: the measurement is in mt_trials either way."""
@@ -158,7 +189,7 @@ def tune(cases: list[Case], cfg: TuneConfig, log=_log) -> dict[str, float]:
 
 def _tune_case(case, cfg, fp, storage, session, runner, run, ceilings, deadline, log) -> float:
     name = study_name(case, fp)
-    sampler = optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=min(10, max(2, cfg.trials // 3)))
+    sampler = optuna.samplers.TPESampler(seed=sampler_seed(cfg), n_startup_trials=min(10, max(2, cfg.trials // 3)))
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler,
                                 direction="minimize", load_if_exists=True)
     _fail_stale(study, cfg.timeout_s)
@@ -179,21 +210,21 @@ def _tune_case(case, cfg, fp, storage, session, runner, run, ceilings, deadline,
     }
     challengers = [c for points in kinds.values() for c in points]
     challengers = [c for i, c in enumerate(challengers) if c not in challengers[:i]]
-    # Points an earlier run queued and did not reach (its time budget ran out) are asked first: they
-    # are owed work too, and must not take the places of this run's.
-    waiting = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    # Points an earlier run queued and did not reach (its time budget ran out) are owed work too, and
+    # must not take the places of this run's; they are asked after this run's re-timings.
+    waiting = _take_waiting(study)
     done = _finished(study)
     # Re-timings go first: --retime's, and at least the leader and its runner-up whenever this run
     # measures anything else for the case. A challenger takes the lead only by beating the leader as
     # timed in its own run (emit.leader), so the leader must run in every run that has challengers.
     # The re-timings run on top of what the run would do without them (even past --trials' total).
-    target_trials = trial_target(done, waiting + len(challengers), cfg)
+    target_trials = trial_target(done, len(waiting) + len(challengers), cfg)
     challenged = target_trials > done
     n_retime = max(cfg.retime, AUTO_RETIME if challenged else 0)
     retimed = emit.contenders(session, fp.key, case, n_retime)
     # Measured again however often they were timed before (contenders' recorded hashes are today's).
     retimes = collections.Counter(t.source_hash for t in retimed)
-    queued = [space.Variant.from_dict(t.params).as_dict() for t in retimed] + challengers
+    queued = [space.Variant.from_dict(t.params).as_dict() for t in retimed] + waiting + challengers
     target_trials += len(retimed)
     # With challengers (new points, or the other re-timed contenders), the leader is timed once more as
     # the run's last trial: the spread of its two timings is the noise a challenger must beat it by

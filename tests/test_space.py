@@ -71,6 +71,7 @@ def test_cli_space_lists_every_parameter(capsys):
 def test_parse_assignments_names_the_bad_part():
     assert space.parse_assignments("g1_weight_tma=True, dispatch=split,block_m=64") == {
         "g1_weight_tma": True, "dispatch": "split", "block_m": 64}
+    assert space.parse_assignments("G1_Weight_TMA=true,dispatch=SPLIT") == {"g1_weight_tma": True, "dispatch": "split"}
     with pytest.raises(ValueError, match="no parameter 'blockm'"):
         space.parse_assignments("blockm=64")
     with pytest.raises(ValueError, match="block_m takes one of 16, 32, 64, 128"):

@@ -88,9 +88,11 @@ def test_cli_show_emit_check(tuned_db, tmp_path, capsys):
     assert cli.main(["show", "--db", url, "--hill", "--case-key", CASES[0].key]) == 0
     hill = capsys.readouterr().out.split(f"== {CASES[0].key}: the leader run by run")[1].splitlines()[1:]
     assert len(hill) == 2 and "leads (the first run)" in hill[0] and hill[1].startswith("run "), hill
-    assert cli.main(["emit", *args, "--name", "cli_tiny", "--out-dir", str(tmp_path)]) == 0
-    path = capsys.readouterr().out.strip()
-    assert path.endswith("cli_tiny.py")
+    # A token count the database has no trial of is served by the nearest row, and emit says so.
+    assert cli.main(["emit", *args[:3], "1,9,100", *args[4:], "--name", "cli_tiny", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    path = out.out.strip()
+    assert path.endswith("cli_tiny.py") and "not tuned on" in out.err and "T = 100" in out.err
     assert cli.main(["check", *args[:-4], "--dtype", SHAPE.dtype, "--module", path]) == 0
     assert "2 of 2 cases pass" in capsys.readouterr().out
 
@@ -137,15 +139,72 @@ def test_cli_rejects_bad_shape(capsys):
     assert "four positive integers" in capsys.readouterr().err
 
 
-def test_cli_refuses_what_would_fail_every_trial_and_unknown_databases(capsys, tmp_path):
-    """0 repeats or a 0 s timeout would record every trial as failed; a URL of no installed dialect
-    is one line, not a traceback."""
-    for bad in (["--reps", "0"], ["--timeout", "0"]):
-        with pytest.raises(SystemExit):
+def test_cli_refuses_what_would_fail_every_trial_and_unknown_databases(monkeypatch, capsys, tmp_path):
+    """0 repeats or a 0 s timeout would record every trial as failed, and a negative count or budget
+    means nothing; a URL of no installed dialect, a database path under a plain file, and a missing
+    file for a command that only reads are each one line, exit code 2, not a traceback (nor an empty
+    database left behind)."""
+    for bad, said in ((["--reps", "0"], "must be above 0"), (["--timeout", "0"], "must be above 0"),
+                      (["--trials", "0"], "must be above 0"), (["--time-budget", "-5"], "must be above 0"),
+                      (["--more", "-1"], "must be at least 0"), (["--retime", "-2"], "must be at least 0"),
+                      (["--reps", "many"], "invalid int value")):
+        with pytest.raises(SystemExit) as exit_:
             cli.main(["tune", "--db", f"sqlite:///{tmp_path / 'x.sqlite3'}", *bad])
-        assert "must be above 0" in capsys.readouterr().err
+        assert exit_.value.code == 2 and said in capsys.readouterr().err, bad
     assert cli.main(["show", "--db", "foo://bar"]) == 2
     assert "error: database 'foo://bar'" in capsys.readouterr().err
+    (tmp_path / "plain").write_text("")
+    assert cli.main(["tune", "--db", str(tmp_path / "plain" / "t.sqlite3"), "--tokens", "1"]) == 2
+    assert "error: database" in capsys.readouterr().err
+    for command in (["show"], ["emit", "--tokens", "1"], ["sm90", "--tokens", "1"]):
+        assert cli.main([*command, "--db", str(tmp_path / "typo.sqlite3")]) == 2
+        assert "no such file" in capsys.readouterr().err and not (tmp_path / "typo.sqlite3").exists(), command
+    monkeypatch.setattr(db, "DEMO_URL", f"sqlite:///{tmp_path / 'demo.sqlite3'}")  # this machine's default
+    monkeypatch.setattr(db, "GPU_URL", f"sqlite:///{tmp_path / 'gpu.sqlite3'}")
+    assert cli.main(["show"]) == 0
+    assert "holds no runs yet" in capsys.readouterr().out and not list(tmp_path.glob("*.sqlite3"))
+
+
+def test_cli_tune_fails_where_no_variant_passed_and_says_how_to_resume(monkeypatch, capsys, tmp_path):
+    """A case no variant could run is an exit code of 1 naming the case, not "leader nan ms" and 0; an
+    interrupted run ends in one line saying the finished trials are kept (130, as a shell's ^C)."""
+    from autotune import tuner
+
+    seen = {}
+
+    def fake_tune(cases, cfg, log=None):
+        seen["seed"] = cfg.seed
+        return {cases[0].key: 0.5, cases[1].key: math.nan}
+
+    monkeypatch.setattr(tuner, "tune", fake_tune)
+    args = ["tune", "--db", str(tmp_path / "t.sqlite3"), "--shape", "4,32,32,2", "--dtype", "float16",
+            "--tokens", "1,9"]
+    assert cli.main(args) == 1
+    out = capsys.readouterr().out
+    assert f"{CASES[0].key.replace(SHAPE.dtype, 'float16')}: leader 0.5000 ms" in out
+    assert "no variant passed" in out and "nan" not in out
+    assert seen["seed"] is None  # each worker draws its own (tuner._worker_seed)
+
+    def interrupted(cases, cfg, log=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tuner, "tune", interrupted)
+    assert cli.main(args) == 130
+    assert "the same command resumes" in capsys.readouterr().err
+
+
+def test_workers_without_a_seed_sample_apart():
+    """TuneConfig(seed=None), the CLI's default, seeds each worker's sampler from its host and process:
+    two workers started together on one study would otherwise sample the same points."""
+    import multiprocessing
+
+    from autotune import tuner
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        other = pool.apply(tuner._worker_seed)
+    assert other != tuner._worker_seed()
+    assert tuner.sampler_seed(TuneConfig("sqlite://", seed=None)) == tuner._worker_seed()
+    assert tuner.sampler_seed(TuneConfig("sqlite://", seed=7)) == 7
 
 
 def test_isolated_worker_survives_crash_and_hang():
@@ -178,8 +237,8 @@ def test_bf16_refused_without_gpu(capsys):
     if GPU:
         pytest.skip("bf16 runs on the GPU")
     assert torch.cuda.is_available() is False
-    with pytest.raises(SystemExit, match="bf16 cannot run here"):
-        cli.main(["tune", "--shape", "4,32,32,2", "--tokens", "1"])
+    assert cli.main(["tune", "--shape", "4,32,32,2", "--tokens", "1"]) == 2
+    assert "bf16 cannot run here" in capsys.readouterr().err
 
 
 def test_bf16_emitted_without_gpu(tmp_path, capsys):
@@ -339,9 +398,9 @@ def test_neighbours_of_the_leader_are_each_measured_once(tuned_db, tmp_path):
 
 
 def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp_path):
-    """A point left waiting in a study's queue (an earlier run's time budget ran out) is asked first;
-    it is counted as owed work, so this run's own re-timings (the leader and runner-up, as the run
-    has a challenger, and the leader again last) still all run."""
+    """A point left waiting in a study's queue (an earlier run's time budget ran out) is counted as owed
+    work, so this run's own re-timings (the leader and runner-up, as the run has a challenger, and the
+    leader again last) still all run."""
     import optuna
 
     from autotune import tuner
@@ -359,6 +418,59 @@ def test_points_an_earlier_run_queued_do_not_take_this_runs_places(tuned_db, tmp
     with Session(db.connect(url)) as s:
         again = [t.source_hash for t in _last_run_ok(s)]
         assert sorted(set(again)) == contenders and again.count(leader.source_hash) == 2  # before and after
+
+
+def test_a_run_cut_short_times_the_leader_before_an_earlier_runs_queued_points(tuned_db, tmp_path):
+    """Points an earlier run left queued go behind this run's re-timing of the leader: a run whose time
+    budget ends after one trial times the leader, not a challenger that would then meet the leader's
+    figure from another run; the point stays queued for the next run."""
+    import optuna
+
+    from autotune import space, tuner
+
+    url = _copy_of(tuned_db[0], tmp_path)
+    case, fp = CASES[1], target.fingerprint()
+    with Session(db.connect(url)) as s:
+        leader = emit.leader(s, fp.key, case)
+        point = tuner._neighbour_probes(s, fp, case, leader)[0]
+    study = optuna.load_study(study_name=tuner.study_name(case, fp), storage=url)
+    study.enqueue_trial(point)
+    tune([case], TuneConfig(storage_url=url, more=0, isolate=False, reps=1, time_budget_s=1e-6), log=lambda m: None)
+    with Session(db.connect(url)) as s:
+        assert [t.source_hash for t in _last_run_ok(s)] == [leader.source_hash]
+    study = optuna.load_study(study_name=tuner.study_name(case, fp), storage=url)
+    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    assert space.Variant.from_dict(point).as_dict() in [t.system_attrs["fixed_params"] for t in waiting]
+
+
+def test_a_failure_that_may_be_the_machines_is_tried_again_once(tmp_path):
+    """A time, a compile error or a wrong answer is the code's and is reused; a timeout, a crash or a
+    runtime error may be the machine's, so the source runs again, and only a second such failure in a
+    row is taken as its answer."""
+    fp, case = target.fingerprint(), CASES[0]
+    v = small_variant()
+    with Session(db.connect(f"sqlite:///{tmp_path / 'cache.sqlite3'}")) as s:
+        run = db.start_run(s, fp, "cache", None)
+
+        def fail(status):
+            return db.record_trial(s, run_id=run.id, study="c", fingerprint=fp.key, case_key=case.key,
+                                   case=case.as_dict(), params=v.as_dict(), label=v.label, source_hash="h",
+                                   status=status)
+
+        def cached():
+            t = db.cached_result(s, fp.key, case.key, "h")
+            return t and t.status
+
+        assert cached() is None
+        for status in ("timeout", "crashed", "runtime_error"):
+            fail(status)
+            assert cached() == (None if status == "timeout" else status), status  # the second in a row stands
+        fail("wrong")
+        assert cached() == "wrong"
+        fail("timeout")
+        assert cached() is None  # after a settled answer, a first timeout is tried again
+        fail("compile_error")
+        assert cached() == "compile_error"
 
 
 # Each committed H200 module: its cases, and the routing its adaptive rows were emitted with.
