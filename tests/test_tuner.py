@@ -68,6 +68,11 @@ def test_emit_import_and_check(tuned_db, tmp_path):
         x, w, ids = make_tokens(Case(SHAPE, T, seed=77), DEVICE)
         stats = error_stats(module.fused_experts(x, w13, w2, w, ids), moe_reference(x, w13, w2, w, ids))
         assert not stats.failures(), (T, stats)
+    # The emitted contract's own wording (trial sources keep theirs: their hashes key the database).
+    with pytest.raises(ValueError, match=r"w13 and w2 must hold the same number of experts, got 4 in w13 .* and 3"):
+        module.fused_experts(x, w13, w2[:3], w, ids)
+    with pytest.raises(TypeError, match="topk_weights must be bf16, fp16 or fp32, got torch.int32"):
+        module.fused_experts(x, w13, w2, w.to(torch.int32), ids)
 
 
 def test_results_of_another_fingerprint_are_not_reused(tuned_db, tmp_path):
