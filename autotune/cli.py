@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -39,8 +41,13 @@ def _url(args) -> str:
     """--db as an SQLAlchemy URL; a plain file path means an SQLite database there."""
     from . import db
 
+    if args.db is not None and not args.db.strip():
+        raise ValueError("--db is empty: give an SQLAlchemy URL or an SQLite file path")
     if args.db and "://" not in args.db:
         return f"sqlite:///{Path(args.db).resolve()}"
+    if args.db in ("sqlite://", "sqlite:///:memory:"):
+        raise ValueError(f"--db {args.db} is an in-memory database: every result would be lost when the "
+                         "command ends; give a file path or a server URL")
     return args.db or db.default_url(_gpu())
 
 
@@ -56,6 +63,9 @@ def cmd_tune(args) -> int:
     from .tuner import TuneConfig, tune
 
     cases = _cases(args)
+    why = space.unfit(cases[0].shape)
+    if why:
+        raise ValueError(why)
     try:
         probes = tuple(space.parse_assignments(p) for p in args.probe)
     except ValueError as e:
@@ -86,6 +96,29 @@ def cmd_emit(args) -> int:
     return 0
 
 
+def _load_module(path: Path):
+    """An emitted module by path; ValueError naming the path where it is not one."""
+    from . import render
+
+    if not path.is_file():
+        raise ValueError(f"--module {path}: no such file (emit one with `moe-tune emit`)")
+    try:
+        module = render.load_path(path)
+    except Exception as exc:  # any error of the file's own code
+        raise ValueError(f"--module {path}: cannot import it: {type(exc).__name__}: {exc}") from exc
+    if not callable(getattr(module, "fused_experts", None)):
+        raise ValueError(f"--module {path}: defines no fused_experts; is it a module `moe-tune emit` wrote?")
+    return module
+
+
+def _writable(path: Path, option: str) -> None:
+    """ValueError naming `option` unless a file can be written at `path` (its folder is made)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: {exc}") from exc
+
+
 def _module_path(args, cases) -> Path:
     from . import emit, target
 
@@ -95,20 +128,26 @@ def _module_path(args, cases) -> Path:
 
 
 def cmd_check(args) -> int:
-    from . import render, target
+    from . import target
     from .reference import BAR, error_stats, moe_reference
     from .workloads import make_tokens, make_weights
 
     cases = _cases(args)
     _announce_cpu("the check")
     path = _module_path(args, cases)
-    module = render.load_path(path)
+    module = _load_module(path)
     dev = target.device()
     w13, w2 = make_weights(cases[0].shape, dev, seed=11)
     failed = 0
     for case in cases:
         x, w, ids = make_tokens(case, dev, seed_offset=101)
-        stats = error_stats(module.fused_experts(x, w13, w2, w, ids), moe_reference(x, w13, w2, w, ids))
+        try:
+            got = module.fused_experts(x, w13, w2, w, ids)
+        except (TypeError, ValueError, RuntimeError) as exc:  # refused or failed: this case fails, not the check
+            failed += 1
+            print(f"T={case.T:<6} FAIL: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+            continue
+        stats = error_stats(got, moe_reference(x, w13, w2, w, ids))
         bad = stats.failures(BAR)
         failed += bool(bad)
         print(f"T={case.T:<6} rel L2 {stats.global_rel_l2:.2e}  worst token {stats.worst_token_rel_l2:.2e}  "
@@ -118,12 +157,14 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from . import bench, render
+    from . import bench
 
     cases = _cases(args)
     _announce_cpu("the benchmark")
     path = _module_path(args, cases)
-    module = render.load_path(path)
+    module = _load_module(path)
+    json_path = Path(args.json) if args.json else path.with_suffix(".bench.json")
+    _writable(json_path, "--json")  # before the run, not after it
     result = bench.run_bench(module.fused_experts, cases, peers=not args.no_peers,
                              variant_for=getattr(module, "select_variant", None))
     result["module"] = str(path)
@@ -141,7 +182,6 @@ def cmd_bench(args) -> int:
     if rates:
         print("\nEach GEMM on the rows it computes, padding included (in brackets: on the T*k rows the op needs;"
               "\nthe profile's times, so a kernel launched early under PDL counts its wait):\n" + rates)
-    json_path = Path(args.json) if args.json else path.with_suffix(".bench.json")
     bench.write_json(result, json_path)
     print(f"wrote {json_path}")
     if args.png:
@@ -368,6 +408,10 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _stop(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     if not torch.cuda.is_available():
         # Kernels can only run through the interpreter here; set before any kernel is defined.
@@ -380,6 +424,10 @@ def main(argv=None) -> int:
         args.trials = 40 if _gpu() else 4
     if getattr(args, "reps", 0) is None:
         args.reps = 20 if _gpu() else 2
+    # A TERM (a job scheduler's stop) unwinds like Ctrl-C, so the tuner's worker process is killed
+    # rather than left running its trial. (Signals are the main thread's to handle.)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if in_main else None
     try:
         return args.func(args)
     except (ValueError, LookupError, FileNotFoundError) as exc:
@@ -392,6 +440,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # the output went into `head` or the like, which stopped reading
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

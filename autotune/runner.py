@@ -8,6 +8,7 @@ with its reason; a fault that poisons the CUDA context ends only the worker, whi
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -100,6 +101,9 @@ def _short(exc: BaseException, limit: int = 2000) -> str:
 
 
 def _worker(conn) -> None:
+    # Ctrl-C reaches the whole process group: the tuner handles it (and kills this worker), so the
+    # worker does not print a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     target.quiet_interpreter()
     state = _CaseState()
     while True:
@@ -153,7 +157,7 @@ class Runner:
             return evaluate(self._state, case, source, self.reps, self.settle_ms)
         answer = self._ask(("evaluate", (case.as_dict(), source, self.reps, self.settle_ms)))
         if answer == "timeout":
-            return Result("timeout", f"no answer within {self.timeout_s:.0f} s; worker killed")
+            return Result("timeout", f"no answer within {self.timeout_s:g} s; worker killed")
         if answer is None:
             return Result("crashed", "the worker process died during the trial")
         return Result(**answer)
@@ -187,5 +191,6 @@ class Runner:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        # Leaving on an error or an interruption: the worker's trial is not waited for.
+        self._kill() if exc_type is not None else self.close()

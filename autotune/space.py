@@ -465,10 +465,13 @@ def parse_assignments(text: str) -> dict:
     case (`true` is True)."""
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
+        name, eq, value = part.partition("=")
         p = PARAM_BY_NAME.get(name.strip().lower())
         if p is None:
             raise ValueError(f"{part!r}: no parameter {name.strip()!r} (see `moe-tune space`)")
+        if not eq:
+            raise ValueError(f"{part!r}: no value (PARAM=VALUE; {p.name} takes one of "
+                             f"{', '.join(map(str, p.choices))})")
         match = [c for c in p.choices if str(c).lower() == value.strip().lower()]
         if not match:
             raise ValueError(f"{part!r}: {p.name} takes one of {', '.join(map(str, p.choices))}")
@@ -490,6 +493,18 @@ def choices(p: Param, case: Case) -> tuple:
         return p.choices
     limit = _next_pow2(_dims(case)[p.cap])
     return tuple(c for c in p.choices if c <= limit) or p.choices[:1]
+
+
+def unfit(shape) -> str | None:
+    """Why no variant of the space can run `shape` (None where some can): each GEMM's reduction runs
+    over H or I in steps of the smallest block_k, which may not exceed the dimension's next power of
+    two (violations)."""
+    step = min(c for p in PARAMS if p.name.endswith("_block_k") for c in p.choices)
+    small = [f"{name}={dim}" for name, dim in (("H", shape.H), ("I", shape.I)) if step > max(16, _next_pow2(dim))]
+    if small:
+        return (f"{' and '.join(small)}: the smallest reduction step in the space is {step}, so no variant "
+                f"can run this shape (H and I must be above {step // 2})")
+    return None
 
 
 def in_space(v: Variant, case: Case) -> bool:

@@ -322,7 +322,7 @@ def _new_dimension_probes(session, fp, case, leader) -> list[dict]:
     for p in space.PARAMS:
         if p.default is None or p.name in leader.params:
             continue
-        for value in p.choices:
+        for value in space.choices(p, case):
             if value == p.default:
                 continue
             v = space.Variant.from_dict({**leader.params, p.name: value})
@@ -372,7 +372,10 @@ def _leader_probes(session, fp, case, leader, assignments, log=lambda m: None) -
     probes = []
     for change in assignments:
         v = space.Variant.from_dict({**leader.params, **change})
-        why = space.violations(v, case)
+        # A value past the case's capping dimension is not among the choices its study asks for.
+        why = [f"{name}={value} is not among this case's choices ({', '.join(map(str, space.choices(p, case)))})"
+               for name, value in change.items()
+               if value not in space.choices(p := space.PARAM_BY_NAME[name], case)] or space.violations(v, case)
         if why:
             text = ",".join(f"{k}={value}" for k, value in change.items())
             log(f"[{case.key}] --probe {text} on the leader cannot run: {'; '.join(why)}")

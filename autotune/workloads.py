@@ -128,14 +128,14 @@ def parse_shape(text: str, dtype: str = "bfloat16") -> Shape:
 
 
 def parse_tokens(text: str) -> tuple[int, ...]:
-    """'1,16,512' -> (1, 16, 512)."""
+    """'1,16,512' -> (1, 16, 512): ascending, each count once."""
     try:
         tokens = tuple(int(p) for p in text.split(",") if p.strip())
     except ValueError as exc:
         raise ValueError(f"--tokens takes comma-separated integers; got {text!r}") from exc
     if not tokens or min(tokens) < 1:
         raise ValueError(f"--tokens needs token counts >= 1; got {text!r}")
-    return tokens
+    return tuple(sorted(set(tokens)))
 
 
 def make_weights(shape: Shape, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

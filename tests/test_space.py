@@ -68,10 +68,18 @@ def test_cli_space_lists_every_parameter(capsys):
     assert all(p.name in out for p in space.PARAMS)
 
 
+def test_token_counts_are_each_tuned_once():
+    from autotune.workloads import parse_tokens
+
+    assert parse_tokens("9,1,9,") == (1, 9)
+
+
 def test_parse_assignments_names_the_bad_part():
     assert space.parse_assignments("g1_weight_tma=True, dispatch=split,block_m=64") == {
         "g1_weight_tma": True, "dispatch": "split", "block_m": 64}
     assert space.parse_assignments("G1_Weight_TMA=true,dispatch=SPLIT") == {"g1_weight_tma": True, "dispatch": "split"}
+    with pytest.raises(ValueError, match="'block_m': no value"):
+        space.parse_assignments("block_m")
     with pytest.raises(ValueError, match="no parameter 'blockm'"):
         space.parse_assignments("blockm=64")
     with pytest.raises(ValueError, match="block_m takes one of 16, 32, 64, 128"):

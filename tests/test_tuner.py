@@ -73,6 +73,10 @@ def test_emit_import_and_check(tuned_db, tmp_path):
         module.fused_experts(x, w13, w2[:3], w, ids)
     with pytest.raises(TypeError, match="topk_weights must be bf16, fp16 or fp32, got torch.int32"):
         module.fused_experts(x, w13, w2, w.to(torch.int32), ids)
+    with pytest.raises(ValueError, match="w13 must hold at least one expert"):
+        module.fused_experts(x, w13[:0], w2[:0], w, ids)
+    with pytest.raises(ValueError, match=r"hidden_states must have at least one column \(H >= 1\)"):
+        module.fused_experts(x[:, :0], w13[:, :, :0], w2[:, :0], w, ids)
 
 
 def test_results_of_another_fingerprint_are_not_reused(tuned_db, tmp_path):
@@ -246,6 +250,97 @@ def test_bf16_refused_without_gpu(capsys):
     assert "bf16 cannot run here" in capsys.readouterr().err
 
 
+def test_an_emitted_modules_operator_is_its_own(tuned_db, tmp_path):
+    """A process defines a torch operator once, so two modules of one file name (an older emission
+    beside a newer, one --name for two shapes) each name theirs by a digest of their code: compiled
+    code never runs another module's table. The same code emitted again keeps its name."""
+    url, _, _ = tuned_db
+    with Session(db.connect(url)) as s:
+        both = render.load_path(emit.emit(s, target.fingerprint().key, CASES, "same", tmp_path / "a"), "op_a")
+        again = render.load_path(emit.emit(s, target.fingerprint().key, CASES, "same", tmp_path / "b"), "op_b")
+        one = render.load_path(emit.emit(s, target.fingerprint().key, CASES[:1], "same", tmp_path / "c"), "op_c")
+    assert both._OP_NAME == again._OP_NAME != one._OP_NAME
+    assert both._OP_NAME.startswith("moe_tune::same_") and one._OP_NAME.startswith("moe_tune::same_")
+    assert [row.max_tokens for row in one.VARIANTS] == [math.inf]
+
+
+def test_cli_one_line_errors_before_any_work(tuned_db, tmp_path, capsys):
+    """Each of these is refused before anything runs, with exit code 2 and the option named: a shape no
+    variant of the space can run, an empty or in-memory --db, an --name that cannot be imported, a
+    --module that is no emitted module, a --json that cannot be written, a --probe without a value."""
+    url, _, _ = tuned_db
+    dt = ["--dtype", SHAPE.dtype]
+    (tmp_path / "plain").write_text("")
+    (tmp_path / "other.py").write_text("x = 1\n")
+    (tmp_path / "broken.py").write_text("def (\n")
+    with Session(db.connect(url)) as s:
+        module = emit.emit(s, target.fingerprint().key, CASES, "for_bench", tmp_path)
+    cases = [
+        (["tune", "--shape", "4,16,64,2", *dt, "--db", str(tmp_path / "t.sqlite3")],
+         "H=16: the smallest reduction step"),
+        (["tune", "--shape", "4,32,32,2", *dt, "--db", ""], "--db is empty"),
+        (["tune", "--shape", "4,32,32,2", *dt, "--db", "sqlite://"], "in-memory database"),
+        (["emit", "--shape", "4,32,32,2", *dt, "--db", url, "--name", "a.py"], "--name must be a Python identifier"),
+        (["check", "--shape", "4,32,32,2", *dt, "--module", str(tmp_path / "nothing.py")], "no such file"),
+        (["check", "--shape", "4,32,32,2", *dt, "--module", str(tmp_path / "other.py")], "defines no fused_experts"),
+        (["check", "--shape", "4,32,32,2", *dt, "--module", str(tmp_path / "broken.py")], "cannot import it"),
+        (["bench", "--shape", "4,32,32,2", *dt, "--module", str(module), "--json",
+          str(tmp_path / "plain" / "x.json")], "--json"),
+        (["tune", "--shape", "4,32,32,2", *dt, "--db", str(tmp_path / "t.sqlite3"), "--probe", "block_m"],
+         "'block_m': no value"),
+    ]
+    for argv, said in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "t.sqlite3").exists()
+
+
+def test_check_reports_a_refused_case_and_goes_on(capsys):
+    """A case the module refuses (here the committed module's Gluon row under the interpreter) fails that
+    case with its reason; the others are still checked."""
+    if GPU or not COMMITTED_MODULE.exists():
+        pytest.skip("the interpreter's refusal of a Gluon row")
+    assert cli.main(["check", "--module", str(COMMITTED_MODULE), "--shape", "4,32,32,2", "--dtype", "float16",
+                     "--tokens", "1,6000"]) == 1
+    out = capsys.readouterr().out
+    assert "T=6000   FAIL: RuntimeError: T=6000 is served by a variant with a Gluon GEMM" in out
+    assert "T=1 " in out and "1 of 2 cases pass" in out
+
+
+def test_a_term_signal_unwinds_like_ctrl_c(monkeypatch, capsys, tmp_path):
+    """A TERM (a scheduler's stop) ends tune as Ctrl-C does (so the worker process is killed on the
+    way out), and main gives the process's handler back."""
+    import os
+    import signal
+
+    from autotune import tuner
+
+    def stopped(cases, cfg, log=None):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal did not stop the run")
+
+    monkeypatch.setattr(tuner, "tune", stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["tune", "--shape", "4,32,32,2", "--dtype", "float16", "--tokens", "1",
+                     "--db", str(tmp_path / "t.sqlite3")]) == 130
+    assert "the same command resumes" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_the_trial_worker_leaves_ctrl_c_to_the_tuner():
+    """Ctrl-C reaches the worker process too: it ignores it (the tuner kills it on the way out), so it
+    neither dies mid-trial on its own nor prints a traceback."""
+    import os
+    import signal
+
+    case = CASES[0]
+    with Runner(isolate=True, timeout_s=120, reps=1) as runner:
+        assert runner.evaluate(case, "raise RuntimeError('up')\n").status == "runtime_error"  # it is running
+        os.kill(runner._proc.pid, signal.SIGINT)
+        assert runner.evaluate(case, render.render_variant(small_variant())).status == "ok"
+
+
 def test_bf16_emitted_without_gpu(tmp_path, capsys):
     """Emitting runs no kernel: a GPU's bf16 results render into a module on a machine without one."""
     if not db.GPU_PATH.exists():
@@ -324,6 +419,15 @@ def test_leader_probes_apply_each_assignment_once(tuned_db):
             ], said.append)
     assert probes == [probe.as_dict()]
     assert len(said) == 1 and "--probe g1_block_k=256 on the leader cannot run: g1_block_k=256" in said[0]
+    # At T=1 (2 slots) the study asks block_m from (16,) alone: a point with 32 would abort the run
+    # (optuna refuses a queued value outside a parameter's choices), so it is reported, not queued.
+    with Session(db.connect(url)) as s:
+        said = []
+        lead = emit.leader(s, target.fingerprint().key, CASES[0])
+        assert tuner._leader_probes(s, target.fingerprint(), CASES[0], lead, [{"block_m": 32}], said.append) == []
+        new = tuner._new_dimension_probes(s, target.fingerprint(), CASES[0], lead)
+        assert all(space.in_space(space.Variant.from_dict(p), CASES[0]) for p in new)
+    assert len(said) == 1 and "block_m=32 is not among this case's choices (16)" in said[0]
 
 
 def _copy_of(url: str, tmp_path: Path) -> str:
