@@ -51,10 +51,11 @@ def _url(args) -> str:
     return args.db or db.default_url(_gpu())
 
 
-def _announce_cpu(what: str) -> None:
+def _announce_cpu(what: str, timed: bool = True) -> None:
     if not _gpu():
         print(f"No CUDA GPU here: {what} runs through the Triton interpreter on the CPU (a small fp16 demo "
-              "unless --shape says otherwise); timings are interpreter wall-clock, not GPU figures.",
+              "unless --shape says otherwise)"
+              + ("; timings are interpreter wall-clock, not GPU figures." if timed else "."),
               file=sys.stderr, flush=True)
 
 
@@ -133,7 +134,7 @@ def cmd_check(args) -> int:
     from .workloads import make_tokens, make_weights
 
     cases = _cases(args)
-    _announce_cpu("the check")
+    _announce_cpu("the check", timed=False)
     path = _module_path(args, cases)
     module = _load_module(path)
     dev = target.device()
@@ -225,6 +226,8 @@ def cmd_show(args) -> int:
                 for raw in fastest:
                     if args.case_key in (None, raw.case_key):
                         _print_hill(emit.hill(session, fp, Case.from_dict(raw.case)), raw.case_key)
+            if args.case_key and args.case_key not in {t.case_key for t in fastest}:
+                print(f"(no verified trial of case {args.case_key!r} on {fp}: the keys are those listed above)")
         if args.history:
             print(f"== last {args.history} trials" + (f" of {args.case_key}" if args.case_key else ""))
             for t in db.history(session, args.case_key, args.history):
@@ -278,13 +281,15 @@ def cmd_sm90(args) -> int:
     from .space import Variant
 
     fingerprint = args.fingerprint or target.fingerprint().key
-    print(f"{'case':<12} {'kernel':<38} {'smem KB':>8} {'regs':>5} {'local B':>8} {'wgmma':>6} {'tma':>4} "
-          f"{'cp.async':>8}  wgmma shape")
+    cases = _cases(args, kernels_run=False)
     with Session(db.connect(_url(args), create=False)) as session:
-        for case in _cases(args, kernels_run=False):
+        print(f"{'case':<12} {'kernel':<38} {'smem KB':>8} {'regs':>5} {'local B':>8} {'wgmma':>6} {'tma':>4} "
+              f"{'cp.async':>8}  wgmma shape")
+        for case in cases:
             best = emit.leader(session, fingerprint, case)
             if best is None:
-                print(f"T={case.T:<10} no trial of today's templates on {fingerprint}")
+                print(f"T={case.T:<10} no verified trial of today's templates on {fingerprint} (tune this case, "
+                      "or pass --fingerprint)")
                 continue
             for r in sm90.gemm_reports(Variant.from_dict(best.params), case):
                 print(f"T={case.T:<10} {r.name:<38} {r.shared_bytes / 1024:8.1f} {r.registers or '?':>5} "

@@ -204,6 +204,10 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
         hot[c.key] = partner
         hot_v = Variant.from_dict(partner.params)
         rows.append(render.Row(limit, v, hot_v, hot_v.block_m // 2))
+    if hot_routing:
+        adaptive = ", ".join(str(c.T) for c in tuned if c.key in hot) or "none"
+        log(f"--hot-routing {hot_routing}: routing-adaptive rows T = {adaptive} (a row is one where its case was "
+            f"tuned under {hot_routing} routing too and that leader can share a call with the row's)")
     shape = tuned[0].shape
     runs = sorted({t.run_id for t in [*best.values(), *hot.values()]})
     run = db.run_of(session, runs[-1])

@@ -102,6 +102,11 @@ def test_cli_show_emit_check(tuned_db, tmp_path, capsys):
     out = capsys.readouterr()
     path = out.out.strip()
     assert path.endswith("cli_tiny.py") and "not tuned on" in out.err and "T = 100" in out.err
+    # No zipf study here: emit says no row became routing-adaptive.
+    assert cli.main(["emit", *args, "--name", "cli_hot", "--out-dir", str(tmp_path), "--hot-routing", "zipf"]) == 0
+    assert "--hot-routing zipf: routing-adaptive rows T = none" in capsys.readouterr().err
+    assert cli.main(["show", "--db", url, "--case-key", "E9-nothing"]) == 0
+    assert "no verified trial of case 'E9-nothing'" in capsys.readouterr().out
     assert cli.main(["check", *args[:-4], "--dtype", SHAPE.dtype, "--module", path]) == 0
     assert "2 of 2 cases pass" in capsys.readouterr().out
 
