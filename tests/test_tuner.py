@@ -68,6 +68,9 @@ def test_emit_import_and_check(tuned_db, tmp_path):
         x, w, ids = make_tokens(Case(SHAPE, T, seed=77), DEVICE)
         stats = error_stats(module.fused_experts(x, w13, w2, w, ids), moe_reference(x, w13, w2, w, ids))
         assert not stats.failures(), (T, stats)
+    # Inference only: no autograd history, even from an input that requires grad.
+    assert not module.fused_experts(x.requires_grad_(), w13, w2, w, ids).requires_grad
+    x.requires_grad_(False)
     # The emitted contract's own wording (trial sources keep theirs: their hashes key the database).
     with pytest.raises(ValueError, match=r"w13 and w2 must hold the same number of experts, got 4 in w13 .* and 3"):
         module.fused_experts(x, w13, w2[:3], w, ids)
