@@ -507,6 +507,17 @@ def unfit(shape) -> str | None:
     return None
 
 
+def off_choices(assignment: dict, case: Case) -> list[str]:
+    """Each value of `assignment` that `case`'s study does not ask for (one past the case's capping
+    dimension): optuna refuses a queued point holding one."""
+    off = []
+    for name, value in assignment.items():
+        allowed = choices(PARAM_BY_NAME[name], case)
+        if value not in allowed:
+            off.append(f"{name}={value} is not among this case's choices ({', '.join(map(str, allowed))})")
+    return off
+
+
 def in_space(v: Variant, case: Case) -> bool:
     """Whether every parameter of `v` is among the values `case`'s study asks for (choices): a point
     from another shape's study may hold a tile wider than this case's capping dimension."""

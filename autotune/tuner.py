@@ -372,10 +372,7 @@ def _leader_probes(session, fp, case, leader, assignments, log=lambda m: None) -
     probes = []
     for change in assignments:
         v = space.Variant.from_dict({**leader.params, **change})
-        # A value past the case's capping dimension is not among the choices its study asks for.
-        why = [f"{name}={value} is not among this case's choices ({', '.join(map(str, space.choices(p, case)))})"
-               for name, value in change.items()
-               if value not in space.choices(p := space.PARAM_BY_NAME[name], case)] or space.violations(v, case)
+        why = space.off_choices(change, case) or space.violations(v, case)
         if why:
             text = ",".join(f"{k}={value}" for k, value in change.items())
             log(f"[{case.key}] --probe {text} on the leader cannot run: {'; '.join(why)}")
