@@ -4,6 +4,7 @@ inspect the tuning database (tune, emit, bench, show, check, space, sm90)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -77,10 +78,11 @@ def cmd_tune(args) -> int:
                      timeout_s=args.timeout, command=" ".join(sys.argv), probes=probes,
                      retime=args.retime, settle_ms=args.settle_ms, neighbours=args.neighbours)
     best = tune(cases, cfg)
+    failed = [key for key, ms in best.items() if math.isnan(ms)]  # no verified variant: NaN
     for key, ms in best.items():
-        print(f"{key}: " + (f"leader {ms:.4f} ms" if ms == ms else "no variant passed (see `moe-tune show "
-                                                                    f"--history 20 --case-key {key}`)"))
-    return 0 if all(ms == ms for ms in best.values()) else 1
+        print(f"{key}: " + (f"no variant passed (see `moe-tune show --history 20 --case-key {key}`)"
+                            if key in failed else f"leader {ms:.4f} ms"))
+    return 1 if failed else 0
 
 
 def cmd_emit(args) -> int:
@@ -308,13 +310,13 @@ def _case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", help="SQLAlchemy URL or SQLite file path (default: this machine's under db/)")
 
 
-def _at_least(low: float, kind):
-    """An argparse type: a number of `kind` of at least `low` (0 repeats or a 0 s timeout would record
-    every trial as failed; a negative count or budget means nothing)."""
+def _at_least(low: float, kind, strict: bool = False):
+    """An argparse type: a number of `kind` of at least `low`, or above it if `strict` (0 repeats or a
+    0 s timeout would record every trial as failed; a negative count or budget means nothing)."""
     def parse(text: str):
         value = kind(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'above' if strict else 'at least'} {low}, got {text}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
     return parse
@@ -322,13 +324,7 @@ def _at_least(low: float, kind):
 
 def _positive(kind):
     """An argparse type: a number of `kind` above zero."""
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
+    return _at_least(0, kind, strict=True)
 
 
 def parser() -> argparse.ArgumentParser:

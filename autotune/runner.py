@@ -192,5 +192,7 @@ class Runner:
         return self
 
     def __exit__(self, exc_type, *exc):
-        # Leaving on an error or an interruption: the worker's trial is not waited for.
-        self._kill() if exc_type is not None else self.close()
+        if exc_type is not None:  # an error or an interruption: the worker's trial is not waited for
+            self._kill()
+        else:
+            self.close()

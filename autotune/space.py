@@ -521,4 +521,4 @@ def off_choices(assignment: dict, case: Case) -> list[str]:
 def in_space(v: Variant, case: Case) -> bool:
     """Whether every parameter of `v` is among the values `case`'s study asks for (choices): a point
     from another shape's study may hold a tile wider than this case's capping dimension."""
-    return all(getattr(v, p.name) in choices(p, case) for p in PARAMS)
+    return not off_choices({p.name: getattr(v, p.name) for p in PARAMS}, case)
