@@ -79,3 +79,37 @@ _spec_host.loader.exec_module(host)
 def test_host_refuses_to_run_without_a_gpu(capsys):
     assert host.main(["1"]) == 1
     assert "GPU" in capsys.readouterr().out
+
+
+_spec_dense = importlib.util.spec_from_file_location("dense_bound", Path(__file__).resolve().parent.parent / "tools" /
+                                                     "dense_bound.py")
+dense_bound = importlib.util.module_from_spec(_spec_dense)
+_spec_dense.loader.exec_module(dense_bound)
+
+
+def test_dense_chain_runs_both_gemms_on_the_cases_flops():
+    """GEMM1 writes rows @ w1^T; GEMM2 multiplies SwiGLU of it (made once, outside the call) by w2^T."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    R, H, inter = 24, 16, 8
+    rows, w1, w2 = (torch.randn(*s, generator=gen) for s in ((R, H), (2 * inter, H), (H, inter)))
+    calls = []
+
+    def gemm(a, b, c):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return dense_bound._torch_gemm(a, b, c)
+
+    call, g, ref = dense_bound.dense_chain(rows, w1, w2, gemm)
+    assert calls == [((R, H), (2 * inter, H)), ((R, inter), (H, inter))]  # 2·R·2I·H + 2·R·H·I = 6·R·H·I FLOPs
+    g.zero_()
+    call()
+    torch.testing.assert_close(g, rows @ w1.T)
+    assert torch.equal(ref, rows @ w1.T)
+
+
+@pytest.mark.skipif(dense_bound.target.has_gpu(), reason="it times on this GPU instead")
+def test_dense_bound_refuses_to_run_without_a_gpu_and_needs_its_tokens(capsys):
+    assert dense_bound.main(["8192"]) == 1
+    assert "GPU" in capsys.readouterr().out
+    assert dense_bound.main([]) == 2

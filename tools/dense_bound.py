@@ -1,0 +1,116 @@
+"""A case's FLOPs as plain dense GEMMs, timed the way `moe-tune bench` times the case: what %SOL a
+kernel doing no MoE work at all reaches on this card, beside the emitted module.
+
+    python tools/dense_bound.py 8192,16384,32768 [MODULE.py]
+
+For each T the case's T*k routed rows (the tokens, each repeated k times) go through ONE expert's
+weights as two dense GEMMs: rows [T*k, H] @ w13[0]^T -> [T*k, 2I], then a fixed [T*k, I] activation
+@ w2[0]^T -> [T*k, H]. That is exactly the case's 6*T*k*H*I FLOPs with none of the MoE work: no
+gather, no padded rows, no SwiGLU, no combine, and weights that stay in L2. Each GEMM the bench's
+matrix ceiling is chosen from (torch.matmul, our persistent TMA GEMM, our Gluon GEMM) runs the
+chain; ours count only if GEMM1's output matches torch.matmul's within GEMM_REL_L2_BAR. Every party,
+the emitted module on the case's own inputs included, is timed as bench times a case: right after
+the case's fp32 reference has run, by bench's CUDA-graph timing with its reps and warm-up, against
+the floor from ceilings measured in this process. At a compute-bound T, the best chain's %SOL bounds
+what any MoE kernel reaches there under the bench's method (NOTES 75). JSON=path writes the rows.
+"""
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from autotune import bench, ceilings, emit, render, target, wsgemm
+from autotune.reference import moe_reference
+from autotune.timing import SmClockSampler
+from autotune.workloads import SEED16_SHAPE, experts_touched, make_tokens, make_weights, suite
+
+
+def _torch_gemm(a_MK, b_NK, c_MN):
+    return lambda: torch.matmul(a_MK, b_NK.T, out=c_MN)
+
+
+GEMMS = {
+    "torch.matmul": _torch_gemm,
+    "triton TMA GEMM": lambda a, b, c: ceilings._gemm_launcher(a, b, c, ceilings.GPU_TILES),
+    "gluon GEMM": wsgemm.launcher,
+}
+
+
+def dense_chain(rows_RH, w1_NH, w2_HI, gemm):
+    """A no-argument call of the two GEMMs (`gemm(a_MK, b_NK, c_MN)` gives a launcher of C = A @ B^T)
+    and its GEMM1 output: rows @ w1^T into g [R, N], then a fixed activation [R, I] @ w2^T into y [R, H].
+    The activation is SwiGLU of torch's GEMM1, made once here, so the call holds only the two GEMMs."""
+    R, inter = rows_RH.shape[0], w2_HI.shape[1]
+    g_RN = torch.empty(R, w1_NH.shape[0], dtype=rows_RH.dtype, device=rows_RH.device)
+    ref = rows_RH @ w1_NH.T
+    act_RI = (torch.nn.functional.silu(ref[:, :inter].float()) * ref[:, inter:2 * inter].float()).to(rows_RH.dtype)
+    y_RH = torch.empty(R, w2_HI.shape[0], dtype=rows_RH.dtype, device=rows_RH.device)
+    first, second = gemm(rows_RH, w1_NH, g_RN), gemm(act_RI, w2_HI, y_RH)
+
+    def call():
+        first()
+        second()
+    return call, g_RN, ref
+
+
+def _timed(fn, heat, floor: float, flops: int) -> dict:
+    """bench's timing of `fn` right after `heat()` (the case's reference, as bench runs it first)."""
+    heat()
+    with SmClockSampler() as clock:
+        ms = bench._time(fn, graph=True, reps=20, warmup=3).median_ms
+    return {"ms": ms, "pct_sol": 100 * floor / ms, "tflops": flops / ms / 1e9, "sm_clock_mhz": clock.summary()}
+
+
+def _case_row(case, module, w13, w2, ceil) -> dict:
+    """The module and each dense chain on `case`, timed as bench times it; printed and returned."""
+    x, w, ids = make_tokens(case, target.device())
+    floor = ceilings.floor_ms(case, experts_touched(ids, case.shape.E), ceil)
+    heat = functools.partial(moe_reference, x, w13, w2, w, ids)  # bench runs it before timing ours
+    parties = {"module": _timed(functools.partial(module.fused_experts, x, w13, w2, w, ids), heat, floor,
+                                case.flops)}
+    rows = x.repeat_interleave(case.shape.k, dim=0)
+    for name, gemm in GEMMS.items():
+        try:
+            call, g, ref = dense_chain(rows, w13[0], w2[0], gemm)
+            call()
+            rel = float((g.float() - ref.float()).norm() / ref.float().norm())
+            del ref
+            parties[name] = (_timed(call, heat, floor, case.flops) if rel <= ceilings.GEMM_REL_L2_BAR
+                             else {"failed": f"relative L2 {rel:.2e} against torch.matmul"})
+        except Exception as exc:  # noqa: BLE001 - one GEMM failing leaves the others' figures
+            parties[name] = {"failed": f"{type(exc).__name__}: {exc}"[:300]}
+        ceilings.free_gpu_memory()
+    for name, p in parties.items():
+        said = p.get("failed") or (f"{p['ms']:.4f} ms  {p['pct_sol']:5.1f}% SOL  {p['tflops']:.0f} TFLOP/s  "
+                                   f"SM {(p['sm_clock_mhz'] or {}).get('median')} MHz")
+        print(f"T={case.T:<6} floor {floor:.4f} ms  {name:16s} {said}", flush=True)
+    return {"T": case.T, "floor_ms": floor, "parties": parties}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] in ([], ["-h"], ["--help"]):
+        print(__doc__)
+        return 0 if argv else 2
+    if not target.has_gpu():
+        print("tools/dense_bound.py times on the GPU; there is none here")
+        return 1
+    shape = SEED16_SHAPE
+    module = render.load_path(Path(argv[1]) if len(argv) > 1 else
+                              emit.module_path(target.fingerprint().key, shape.key))
+    ceil = ceilings.measure_ceilings()
+    print(f"ceilings: {ceil.read_bytes_per_s / 1e12:.2f} TB/s, {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s "
+          f"(torch {ceil.torch_matmul_flops_per_s / 1e12:.0f}); sustained "
+          f"{(ceil.sustained_matmul_flops_per_s or 0) / 1e12:.0f}")
+    w13, w2 = make_weights(shape, target.device())
+    out = [_case_row(suite(shape, [int(t)])[0], module, w13, w2, ceil) for t in argv[0].split(",")]
+    if os.environ.get("JSON"):
+        Path(os.environ["JSON"]).write_text(json.dumps({"ceilings": ceil.as_dict(), "cases": out}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
