@@ -113,3 +113,31 @@ def test_dense_bound_refuses_to_run_without_a_gpu_and_needs_its_tokens(capsys):
     assert dense_bound.main(["8192"]) == 1
     assert "GPU" in capsys.readouterr().out
     assert dense_bound.main([]) == 2
+
+
+def test_dense_bound_row_times_the_module_and_each_chain_that_runs(capsys):
+    """The whole row on a small fp32 case on the CPU: the module (here the reference itself) and the
+    torch chain are timed both ways; a GEMM that cannot run here is reported as out, not fatal."""
+    import types
+
+    import torch
+
+    from autotune.ceilings import Ceilings
+    from autotune.reference import moe_reference
+    from autotune.workloads import Shape, make_weights, suite
+
+    shape = Shape(E=4, H=32, I=16, k=2, dtype="float32")
+    w13, w2 = make_weights(shape, "cpu")
+    ceil = Ceilings(read_bytes_per_s=1e9, matmul_flops_per_s=1e9, torch_matmul_flops_per_s=1e9,
+                    triton_gemm_flops_per_s=None)
+    module = types.SimpleNamespace(fused_experts=moe_reference)
+    row = dense_bound._case_row(suite(shape, [8])[0], module, w13, w2, ceil, rounds=2)
+    timed = {n for n, p in row["parties"].items() if "ms" in p}
+    assert {"module", "torch.matmul"} <= timed
+    for name in timed:
+        p = row["parties"][name]
+        assert p["ms"] > 0 and len(p["settled_ms"]) == 2 and p["settled_median_ms"] > 0
+    assert all("failed" in p for n, p in row["parties"].items() if n not in timed)
+    assert set(row["parties"]) == {"module", *dense_bound.GEMMS}
+    assert "T=8" in capsys.readouterr().out
+    assert torch.isfinite(torch.tensor(row["floor_ms"]))

@@ -11,13 +11,17 @@ matrix ceiling is chosen from (torch.matmul, our persistent TMA GEMM, our Gluon 
 chain; ours count only if GEMM1's output matches torch.matmul's within GEMM_REL_L2_BAR. Every party,
 the emitted module on the case's own inputs included, is timed as bench times a case: right after
 the case's fp32 reference has run, by bench's CUDA-graph timing with its reps and warm-up, against
-the floor from ceilings measured in this process. At a compute-bound T, the best chain's %SOL bounds
-what any MoE kernel reaches there under the bench's method (NOTES 75). JSON=path writes the rows.
+the floor from ceilings measured in this process; each party's kernels are named (which cuBLAS
+kernel torch.matmul chose). Then all parties again in ROUNDS (default 2; 0 skips) interleaved rounds,
+each timing after the tuner's settle, with the SM clock at each one's end: the parties compared in one
+capped state rather than in their turn's. At a compute-bound T, the best chain's %SOL is what a
+kernel built on that GEMM could reach at most (NOTES 75). JSON=path writes the rows.
 """
 
 import functools
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +29,7 @@ import torch
 
 from autotune import bench, ceilings, emit, render, target, wsgemm
 from autotune.reference import moe_reference
-from autotune.timing import SmClockSampler
+from autotune.timing import SETTLE_MS, SmClockSampler, kernel_breakdown, time_fn
 from autotune.workloads import SEED16_SHAPE, experts_touched, make_tokens, make_weights, suite
 
 
@@ -65,29 +69,63 @@ def _timed(fn, heat, floor: float, flops: int) -> dict:
     return {"ms": ms, "pct_sol": 100 * floor / ms, "tflops": flops / ms / 1e9, "sm_clock_mhz": clock.summary()}
 
 
-def _case_row(case, module, w13, w2, ceil) -> dict:
-    """The module and each dense chain on `case`, timed as bench times it; printed and returned."""
-    x, w, ids = make_tokens(case, target.device())
-    floor = ceilings.floor_ms(case, experts_touched(ids, case.shape.E), ceil)
-    heat = functools.partial(moe_reference, x, w13, w2, w, ids)  # bench runs it before timing ours
-    parties = {"module": _timed(functools.partial(module.fused_experts, x, w13, w2, w, ids), heat, floor,
-                                case.flops)}
+def _settled(calls: dict, rounds: int) -> dict:
+    """Each call timed after the tuner's settle, in `rounds` interleaved rounds: every party in the
+    capped state, none favoured by its turn. Per party: the rounds' medians and the SM clock at the end
+    of each round."""
+    res = {name: {"settled_ms": [], "settled_sm_clock_last": []} for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            with SmClockSampler() as clock:
+                res[name]["settled_ms"].append(time_fn(call, reps=10, settle_ms=SETTLE_MS).median_ms)
+            res[name]["settled_sm_clock_last"].append((clock.summary() or {}).get("last"))
+    return res
+
+
+def _chains(case, w13, w2, x) -> tuple[dict, dict]:
+    """The dense chain of each GEMM in GEMMS on the case's rows, checked against torch.matmul's GEMM1:
+    ({name: call}, {name: why it is out})."""
     rows = x.repeat_interleave(case.shape.k, dim=0)
+    calls, failed = {}, {}
     for name, gemm in GEMMS.items():
         try:
             call, g, ref = dense_chain(rows, w13[0], w2[0], gemm)
             call()
             rel = float((g.float() - ref.float()).norm() / ref.float().norm())
-            del ref
-            parties[name] = (_timed(call, heat, floor, case.flops) if rel <= ceilings.GEMM_REL_L2_BAR
-                             else {"failed": f"relative L2 {rel:.2e} against torch.matmul"})
+            if rel <= ceilings.GEMM_REL_L2_BAR:
+                calls[name] = call
+            else:
+                failed[name] = f"relative L2 {rel:.2e} against torch.matmul"
         except Exception as exc:  # noqa: BLE001 - one GEMM failing leaves the others' figures
-            parties[name] = {"failed": f"{type(exc).__name__}: {exc}"[:300]}
-        ceilings.free_gpu_memory()
+            failed[name] = f"{type(exc).__name__}: {exc}"[:300]
+    return calls, failed
+
+
+def _case_row(case, module, w13, w2, ceil, rounds: int) -> dict:
+    """The module and each dense chain on `case`: timed as bench times it, their kernels named, then
+    (rounds > 0) in interleaved settled rounds; printed and returned."""
+    x, w, ids = make_tokens(case, target.device())
+    floor = ceilings.floor_ms(case, experts_touched(ids, case.shape.E), ceil)
+    heat = functools.partial(moe_reference, x, w13, w2, w, ids)  # bench runs it before timing ours
+    calls, failed = _chains(case, w13, w2, x)
+    calls = {"module": functools.partial(module.fused_experts, x, w13, w2, w, ids), **calls}
+    parties = {}
+    for name, call in calls.items():
+        parties[name] = _timed(call, heat, floor, case.flops)
+        parties[name]["kernels"] = [q["name"] for q in (kernel_breakdown(call, calls=2) or [])[:3]]
+    for name, res in (_settled(calls, rounds) if rounds else {}).items():
+        parties[name].update(res, settled_median_ms=statistics.median(res["settled_ms"]))
     for name, p in parties.items():
-        said = p.get("failed") or (f"{p['ms']:.4f} ms  {p['pct_sol']:5.1f}% SOL  {p['tflops']:.0f} TFLOP/s  "
-                                   f"SM {(p['sm_clock_mhz'] or {}).get('median')} MHz")
-        print(f"T={case.T:<6} floor {floor:.4f} ms  {name:16s} {said}", flush=True)
+        last = (p["sm_clock_mhz"] or {}).get("last")
+        settled = (f" | settled {p['settled_median_ms']:.4f} ms, SM at the rounds' ends "
+                   f"{p['settled_sm_clock_last']} MHz" if rounds else "")
+        print(f"T={case.T:<6} floor {floor:.4f} ms  {name:16s} {p['ms']:.4f} ms  {p['pct_sol']:5.1f}% SOL  "
+              f"{p['tflops']:.0f} TFLOP/s  SM at the end {last} MHz{settled}\n"
+              f"{'':8}kernels: {', '.join(k[:90] for k in p['kernels'])}", flush=True)
+    for name, why in failed.items():
+        print(f"T={case.T:<6} {name}: {why}", flush=True)
+        parties[name] = {"failed": why}
+    ceilings.free_gpu_memory()
     return {"T": case.T, "floor_ms": floor, "parties": parties}
 
 
@@ -106,7 +144,8 @@ def main(argv: list[str]) -> int:
           f"(torch {ceil.torch_matmul_flops_per_s / 1e12:.0f}); sustained "
           f"{(ceil.sustained_matmul_flops_per_s or 0) / 1e12:.0f}")
     w13, w2 = make_weights(shape, target.device())
-    out = [_case_row(suite(shape, [int(t)])[0], module, w13, w2, ceil) for t in argv[0].split(",")]
+    rounds = int(os.environ.get("ROUNDS", 2))
+    out = [_case_row(suite(shape, [int(t)])[0], module, w13, w2, ceil, rounds) for t in argv[0].split(",")]
     if os.environ.get("JSON"):
         Path(os.environ["JSON"]).write_text(json.dumps({"ceilings": ceil.as_dict(), "cases": out}, indent=1))
     return 0
