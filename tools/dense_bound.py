@@ -12,10 +12,11 @@ chain; ours count only if GEMM1's output matches torch.matmul's within GEMM_REL_
 the emitted module on the case's own inputs included, is timed as bench times a case: right after
 the case's fp32 reference has run, by bench's CUDA-graph timing with its reps and warm-up, against
 the floor from ceilings measured in this process; each party's kernels are named (which cuBLAS
-kernel torch.matmul chose). Then all parties again in ROUNDS (default 2; 0 skips) interleaved rounds,
-each timing after the tuner's settle, with the SM clock at each one's end: the parties compared in one
-capped state rather than in their turn's. At a compute-bound T, the best chain's %SOL is what a
-kernel built on that GEMM could reach at most (NOTES 75). JSON=path writes the rows.
+kernel torch.matmul chose) with their profiled time per call. Then all parties again in ROUNDS
+(default 2; 0 skips) interleaved rounds, each timing after the tuner's settle, with the SM clock at
+each one's end: the parties compared in one capped state rather than in their turn's. At a
+compute-bound T, the best chain's %SOL is what a kernel built on that GEMM could reach at most
+(NOTES 75). JSON=path writes the rows.
 """
 
 import functools
@@ -112,16 +113,17 @@ def _case_row(case, module, w13, w2, ceil, rounds: int) -> dict:
     parties = {}
     for name, call in calls.items():
         parties[name] = _timed(call, heat, floor, case.flops)
-        parties[name]["kernels"] = [q["name"] for q in (kernel_breakdown(call, calls=2) or [])[:3]]
+        parties[name]["kernels"] = (kernel_breakdown(call, calls=2) or [])[:3]
     for name, res in (_settled(calls, rounds) if rounds else {}).items():
         parties[name].update(res, settled_median_ms=statistics.median(res["settled_ms"]))
     for name, p in parties.items():
+        kernels = ", ".join(f"{q['name'][:90]} {q['us']:.0f} us" for q in p["kernels"])
         last = (p["sm_clock_mhz"] or {}).get("last")
         settled = (f" | settled {p['settled_median_ms']:.4f} ms, SM at the rounds' ends "
                    f"{p['settled_sm_clock_last']} MHz" if rounds else "")
         print(f"T={case.T:<6} floor {floor:.4f} ms  {name:16s} {p['ms']:.4f} ms  {p['pct_sol']:5.1f}% SOL  "
               f"{p['tflops']:.0f} TFLOP/s  SM at the end {last} MHz{settled}\n"
-              f"{'':8}kernels: {', '.join(k[:90] for k in p['kernels'])}", flush=True)
+              f"{'':8}kernels: {kernels}", flush=True)
     for name, why in failed.items():
         print(f"T={case.T:<6} {name}: {why}", flush=True)
         parties[name] = {"failed": why}
