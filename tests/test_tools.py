@@ -88,7 +88,7 @@ _spec_dense.loader.exec_module(dense_bound)
 
 
 def test_dense_chain_runs_both_gemms_on_the_cases_flops():
-    """GEMM1 writes rows @ w1^T; GEMM2 multiplies SwiGLU of it (made once, outside the call) by w2^T."""
+    """GEMM1 writes rows @ w1^T; GEMM2 multiplies SwiGLU of torch's GEMM1 (made once, outside the call) by w2^T."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -100,12 +100,14 @@ def test_dense_chain_runs_both_gemms_on_the_cases_flops():
         calls.append((tuple(a.shape), tuple(b.shape)))
         return dense_bound._torch_gemm(a, b, c)
 
-    call, g, ref = dense_bound.dense_chain(rows, w1, w2, gemm)
+    ref, act = dense_bound.gemm1_and_activation(rows, w1, inter)
+    call, g = dense_bound.dense_chain(rows, w1, act, w2, gemm)
     assert calls == [((R, H), (2 * inter, H)), ((R, inter), (H, inter))]  # 2·R·2I·H + 2·R·H·I = 6·R·H·I FLOPs
     g.zero_()
     call()
     torch.testing.assert_close(g, rows @ w1.T)
     assert torch.equal(ref, rows @ w1.T)
+    torch.testing.assert_close(act, torch.nn.functional.silu(ref[:, :inter]) * ref[:, inter:])
 
 
 @pytest.mark.skipif(dense_bound.target.has_gpu(), reason="it times on this GPU instead")

@@ -45,21 +45,26 @@ GEMMS = {
 }
 
 
-def dense_chain(rows_RH, w1_NH, w2_HI, gemm):
+def gemm1_and_activation(rows_RH, w1_NH, inter: int):
+    """torch.matmul's GEMM1 of the rows [R, 2I] (what each chain's GEMM1 is checked against) and its
+    SwiGLU [R, I], the fixed input of every chain's GEMM2."""
+    ref_RN = rows_RH @ w1_NH.T
+    act_RI = (torch.nn.functional.silu(ref_RN[:, :inter].float()) * ref_RN[:, inter:2 * inter].float())
+    return ref_RN, act_RI.to(rows_RH.dtype)
+
+
+def dense_chain(rows_RH, w1_NH, act_RI, w2_HI, gemm):
     """A no-argument call of the two GEMMs (`gemm(a_MK, b_NK, c_MN)` gives a launcher of C = A @ B^T)
-    and its GEMM1 output: rows @ w1^T into g [R, N], then a fixed activation [R, I] @ w2^T into y [R, H].
-    The activation is SwiGLU of torch's GEMM1, made once here, so the call holds only the two GEMMs."""
-    R, inter = rows_RH.shape[0], w2_HI.shape[1]
+    and its GEMM1 output: rows @ w1^T into g [R, N], then the fixed activation @ w2^T into y [R, H]."""
+    R = rows_RH.shape[0]
     g_RN = torch.empty(R, w1_NH.shape[0], dtype=rows_RH.dtype, device=rows_RH.device)
-    ref = rows_RH @ w1_NH.T
-    act_RI = (torch.nn.functional.silu(ref[:, :inter].float()) * ref[:, inter:2 * inter].float()).to(rows_RH.dtype)
     y_RH = torch.empty(R, w2_HI.shape[0], dtype=rows_RH.dtype, device=rows_RH.device)
     first, second = gemm(rows_RH, w1_NH, g_RN), gemm(act_RI, w2_HI, y_RH)
 
     def call():
         first()
         second()
-    return call, g_RN, ref
+    return call, g_RN
 
 
 def _timed(fn, heat, floor: float, flops: int) -> dict:
@@ -84,13 +89,14 @@ def _settled(calls: dict, rounds: int) -> dict:
 
 
 def _chains(case, w13, w2, x) -> tuple[dict, dict]:
-    """The dense chain of each GEMM in GEMMS on the case's rows, checked against torch.matmul's GEMM1:
-    ({name: call}, {name: why it is out})."""
+    """The dense chain of each GEMM in GEMMS on the case's rows, its GEMM1 checked against
+    torch.matmul's: ({name: call}, {name: why it is out}). One activation serves every chain."""
     rows = x.repeat_interleave(case.shape.k, dim=0)
+    ref, act = gemm1_and_activation(rows, w13[0], case.shape.I)
     calls, failed = {}, {}
     for name, gemm in GEMMS.items():
         try:
-            call, g, ref = dense_chain(rows, w13[0], w2[0], gemm)
+            call, g = dense_chain(rows, w13[0], act, w2[0], gemm)
             call()
             rel = float((g.float() - ref.float()).norm() / ref.float().norm())
             if rel <= ceilings.GEMM_REL_L2_BAR:
