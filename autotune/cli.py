@@ -123,11 +123,9 @@ def _writable(path: Path, option: str) -> None:
 
 
 def _module_path(args, cases) -> Path:
-    from . import emit, target
+    from . import emit
 
-    if args.module:
-        return Path(args.module)
-    return emit.module_path(target.fingerprint().key, cases[0].shape.key)
+    return Path(args.module) if args.module else emit.this_machine_module_path(cases[0].shape.key)
 
 
 def cmd_check(args) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from . import __version__, db, render
+from . import __version__, db, render, target
 from .space import Variant, hot_split_violations
 from .workloads import Case
 
@@ -30,6 +30,12 @@ def default_name(fp_key: str, shape_key: str) -> str:
 def module_path(fp_key: str, shape_key: str, out_dir: Path = OUT_DIR, name: str | None = None) -> Path:
     """Where the module of a machine and a shape is emitted (default_name unless `name` is given)."""
     return out_dir / f"{name or default_name(fp_key, shape_key)}.py"
+
+
+def this_machine_module_path(shape_key: str) -> Path:
+    """Where `moe-tune emit` writes this machine's module for a shape, by default: what the CLI's
+    commands and the tools run when no module is named."""
+    return module_path(target.fingerprint().key, shape_key)
 
 
 # Eager calls of the rows tuned faster than this replay a CUDA graph of the call (graph_replay.py.j2).

@@ -145,8 +145,7 @@ def main(argv: list[str]) -> int:
         print("tools/dense_bound.py times on the GPU; there is none here")
         return 1
     shape = SEED16_SHAPE
-    module = render.load_path(Path(argv[1]) if len(argv) > 1 else
-                              emit.module_path(target.fingerprint().key, shape.key))
+    module = render.load_path(Path(argv[1]) if len(argv) > 1 else emit.this_machine_module_path(shape.key))
     ceil = ceilings.measure_ceilings()
     print(f"ceilings: {ceil.read_bytes_per_s / 1e12:.2f} TB/s, {ceil.matmul_flops_per_s / 1e12:.0f} TFLOP/s "
           f"(torch {ceil.torch_matmul_flops_per_s / 1e12:.0f}); sustained "

@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     tokens = [int(t) for t in argv[0].split(",")]
-    path = Path(argv[1]) if len(argv) > 1 else emit.module_path(target.fingerprint().key, SEED16_SHAPE.key)
+    path = Path(argv[1]) if len(argv) > 1 else emit.this_machine_module_path(SEED16_SHAPE.key)
     shape = parse_shape(argv[2]) if len(argv) > 2 else SEED16_SHAPE
     module = render.load_path(path)
     dev = target.device()

@@ -41,8 +41,7 @@ def main(argv: list[str]) -> int:
         print("tools/padding.py times on the GPU; there is none here")
         return 1
     shape = SEED16_SHAPE
-    module = render.load_path(Path(argv[1]) if len(argv) > 1 else
-                              emit.module_path(target.fingerprint().key, shape.key))
+    module = render.load_path(Path(argv[1]) if len(argv) > 1 else emit.this_machine_module_path(shape.key))
     rounds = int(os.environ.get("ROUNDS", 5))
     w13, w2 = make_weights(shape, target.device())
     for T in (int(t) for t in argv[0].split(",")):
