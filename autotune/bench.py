@@ -58,7 +58,8 @@ def _measure(fn, args, ref_TH, case: Case, floor: float, bytes_moved: int, *, gr
         timing = _time(lambda: fn(*args), graph=graph, reps=reps, warmup=warmup)
     sec = timing.median_ms * 1e-3
     entry.update(ok=True, ms=timing.median_ms, timing=timing.as_dict(), pct_sol=floor / timing.median_ms * 100,
-                 tflops=case.flops / sec / 1e12, tbps=bytes_moved / sec / 1e12, sm_clock_mhz=clock.summary())
+                 tflops=case.flops / sec / 1e12, tbps=bytes_moved / sec / 1e12, sm_clock_mhz=clock.summary(),
+                 board_power_w=clock.power_summary())
     return entry
 
 
@@ -109,8 +110,9 @@ def _progress(i: int, n: int, row: dict) -> None:
     def say(entry):
         if not entry["ok"]:
             return "FAILED " + "; ".join(entry["failures"])
-        clock = entry.get("sm_clock_mhz")
-        return f"{entry['ms']:.4g} ms" + (f" (SM {clock['first']}->{clock['last']} MHz)" if clock else "")
+        clock, power = entry.get("sm_clock_mhz"), entry.get("board_power_w")
+        return (f"{entry['ms']:.4g} ms" + (f" (SM {clock['first']}->{clock['last']} MHz" if clock else "")
+                + (f", {power['median']:.0f} W" if clock and power else "") + (")" if clock else ""))
     parts = [f"[bench] {i}/{n} {row['key']}: floor {row['floor_ms']:.4g} ms, ours {say(row['ours'])}"]
     parts += [f"{name} {say(e)}" for name, e in row["peers"].items()]
     print(", ".join(parts), file=sys.stderr, flush=True)

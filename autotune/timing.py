@@ -158,20 +158,22 @@ def _smi_id() -> str:
 
 
 class SmClockSampler:
-    """The SM clock (MHz) sampled by `nvidia-smi -lms` while the block runs: whether a timing was
-    taken at full clock or under the card's sustained-load drop. `summary()` is None where there is
-    no GPU or no nvidia-smi; sampling never fails the caller."""
+    """The SM clock (MHz) and the board's power draw (W), sampled by `nvidia-smi -lms` while the
+    block runs: whether a timing was taken at full clock or under the card's sustained-load drop, and
+    how close to its power limit the load ran. `summary()` and `power_summary()` are None where there
+    is no GPU or no nvidia-smi; sampling never fails the caller."""
 
     def __init__(self, period_ms: int = 50):
         self.period_ms = period_ms
         self.samples: list[int] = []
+        self.watts: list[float] = []
         self._proc = None
 
     def __enter__(self) -> SmClockSampler:
         if target.has_gpu():
             try:
                 self._proc = subprocess.Popen(
-                    ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
+                    ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
                      "-i", _smi_id(), "-lms", str(self.period_ms)],
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             except OSError:
@@ -187,7 +189,7 @@ class SmClockSampler:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             out, _ = self._proc.communicate()
-        self.samples = [int(line) for line in out.split() if line.strip().isdigit()]
+        self.samples, self.watts = _parse_smi(out)
 
     def summary(self) -> dict | None:
         if not self.samples:
@@ -195,3 +197,28 @@ class SmClockSampler:
         return {"min": min(self.samples), "median": statistics.median(self.samples), "max": max(self.samples),
                 "first": self.samples[0], "last": self.samples[-1], "samples": len(self.samples)}
 
+    def power_summary(self) -> dict | None:
+        """Board power in W (median, max, last sample); None where the card does not report it."""
+        if not self.watts:
+            return None
+        return {"median": statistics.median(self.watts), "max": max(self.watts), "last": self.watts[-1],
+                "samples": len(self.watts)}
+
+
+def _parse_smi(out: str) -> tuple[list[int], list[float]]:
+    """`clocks.sm, power.draw` lines into clocks and watts. A field nvidia-smi cannot read ("[N/A]") is
+    skipped; so is a last line the sampler's termination cut short (no newline after it)."""
+    clocks, watts = [], []
+    lines = out.splitlines() if out.endswith("\n") else out.splitlines()[:-1]
+    for line in lines:
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 2:
+            continue
+        if fields[0].isdigit():
+            clocks.append(int(fields[0]))
+        if fields[1]:
+            try:
+                watts.append(float(fields[1]))
+            except ValueError:
+                pass
+    return clocks, watts

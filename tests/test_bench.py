@@ -294,3 +294,14 @@ def test_sm_clock_sampler_says_nothing_without_a_gpu_and_never_fails():
     else:
         summary = clock.summary()
         assert summary is None or 0 < summary["min"] <= summary["median"] <= summary["max"]
+
+
+def test_smi_lines_give_clocks_and_watts_and_skip_what_the_card_cannot_read():
+    """`clocks.sm, power.draw` samples: a card without a power reading still gives its clocks, and a
+    line torn by the sampler's termination is dropped rather than failing the timing."""
+    from autotune.timing import _parse_smi
+
+    assert _parse_smi("1980, 412.31\n1755, 699.02\n") == ([1980, 1755], [412.31, 699.02])
+    assert _parse_smi("1980, [N/A]\n1980, [N/A]\n") == ([1980, 1980], [])
+    assert _parse_smi("1410, 700.10\n1410, 69") == ([1410], [700.10])
+    assert _parse_smi("") == ([], [])

@@ -72,19 +72,21 @@ def _timed(fn, heat, floor: float, flops: int) -> dict:
     heat()
     with SmClockSampler() as clock:
         ms = bench._time(fn, graph=True, reps=20, warmup=3).median_ms
-    return {"ms": ms, "pct_sol": 100 * floor / ms, "tflops": flops / ms / 1e9, "sm_clock_mhz": clock.summary()}
+    return {"ms": ms, "pct_sol": 100 * floor / ms, "tflops": flops / ms / 1e9, "sm_clock_mhz": clock.summary(),
+            "board_power_w": clock.power_summary()}
 
 
 def _settled(calls: dict, rounds: int) -> dict:
     """Each call timed after the tuner's settle, in `rounds` interleaved rounds: every party in the
-    capped state, none favoured by its turn. Per party: the rounds' medians and the SM clock at the end
-    of each round."""
-    res = {name: {"settled_ms": [], "settled_sm_clock_last": []} for name in calls}
+    capped state, none favoured by its turn. Per party: the rounds' medians, the SM clock at the end of
+    each round and the board's median power in each."""
+    res = {name: {"settled_ms": [], "settled_sm_clock_last": [], "settled_power_w": []} for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
             with SmClockSampler() as clock:
                 res[name]["settled_ms"].append(time_fn(call, reps=10, settle_ms=SETTLE_MS).median_ms)
             res[name]["settled_sm_clock_last"].append((clock.summary() or {}).get("last"))
+            res[name]["settled_power_w"].append((clock.power_summary() or {}).get("median"))
     return res
 
 
@@ -125,10 +127,11 @@ def _case_row(case, module, w13, w2, ceil, rounds: int) -> dict:
     for name, p in parties.items():
         kernels = ", ".join(f"{q['name'][:90]} {q['us']:.0f} us" for q in p["kernels"])
         last = (p["sm_clock_mhz"] or {}).get("last")
+        watts = (p["board_power_w"] or {}).get("median")
         settled = (f" | settled {p['settled_median_ms']:.4f} ms, SM at the rounds' ends "
-                   f"{p['settled_sm_clock_last']} MHz" if rounds else "")
+                   f"{p['settled_sm_clock_last']} MHz, {p['settled_power_w']} W" if rounds else "")
         print(f"T={case.T:<6} floor {floor:.4f} ms  {name:16s} {p['ms']:.4f} ms  {p['pct_sol']:5.1f}% SOL  "
-              f"{p['tflops']:.0f} TFLOP/s  SM at the end {last} MHz{settled}\n"
+              f"{p['tflops']:.0f} TFLOP/s  SM at the end {last} MHz, {watts} W{settled}\n"
               f"{'':8}kernels: {kernels}", flush=True)
     for name, why in failed.items():
         print(f"T={case.T:<6} {name}: {why}", flush=True)
