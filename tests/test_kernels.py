@@ -268,3 +268,46 @@ def test_swapped_tails_are_the_narrow_side_of_their_dot(form):
     assert (module.VARIANTS[0].g1_swap_tail, module.VARIANTS[0].g2_swap_tail) == (16, 16)
     for T in (140, 160):
         assert_matches(module, *inputs(E=4, T=T, dtype=DTYPES[0]))
+
+
+@pytest.fixture(scope="module")
+def zero_pad_modules():
+    """zero_pad on split dispatch (pointer rows, TMA rows with half tails, by token) and on fused."""
+    forms = {"split": small_variant("split"), "split tma half": small_variant("split", tma=True, half_tail=True),
+             "by token": small_variant("split", by_token=True), "fused": small_variant("fused")}
+    return {name: render.load_source(render.render_variant(dataclasses.replace(v, zero_pad=True)))
+            for name, v in forms.items()}
+
+
+@pytest.mark.parametrize("name", ["split", "split tma half", "by token", "fused"])
+def test_zero_pad_matches_reference(zero_pad_modules, name):
+    """~35 rows per expert in 32-row blocks (tails of every size), and one odd shape; x is left alone
+    (fused dispatch's GEMM1 reads it in place of permuted rows)."""
+    x, *rest = inputs(E=4, T=70, dtype=DTYPES[0])
+    x_before = x.clone()
+    assert_matches(zero_pad_modules[name], x, *rest)
+    assert torch.equal(x, x_before)
+    assert_matches(zero_pad_modules[name], *inputs(H=80, I=40, T=37, dtype=DTYPES[0]))
+
+
+@pytest.mark.parametrize("zero_a", [True, False])
+def test_zero_padding_kernel_zeroes_exactly_the_padding_rows(zero_pad_modules, zero_a):
+    """Rows past each used block's real rows become 0 in h (and in a where ZERO_A); real rows, unused
+    blocks (0 rows) and full blocks keep what they held, NaN included."""
+    block_m, H, n1 = 16, 80, 40
+    block_rows = torch.tensor([16, 3, 0, 15, 1, 0], dtype=torch.int32, device=DEVICE)
+    rows = block_rows.numel() * block_m
+    a = torch.full((rows, H), float("nan"), dtype=torch.float16, device=DEVICE)
+    h = torch.full((rows, n1), 7.0, dtype=torch.float16, device=DEVICE)
+    zero_pad_modules["split"]._zero_padding_kernel[(block_rows.numel(), 1)](
+        a, h, block_rows, H, n1, a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_C=128, ZERO_A=zero_a, PDL=False)
+    pad = torch.zeros(rows, dtype=torch.bool)
+    for b, n in enumerate(block_rows.tolist()):
+        if 0 < n < block_m:
+            pad[b * block_m + n:(b + 1) * block_m] = True
+    a, h = a.cpu(), h.cpu()
+    assert (h[pad] == 0).all() and (h[~pad] == 7).all()
+    if zero_a:
+        assert (a[pad] == 0).all() and a[~pad].isnan().all()
+    else:
+        assert a.isnan().all()
