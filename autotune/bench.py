@@ -110,9 +110,11 @@ def _progress(i: int, n: int, row: dict) -> None:
     def say(entry):
         if not entry["ok"]:
             return "FAILED " + "; ".join(entry["failures"])
-        clock, power = entry.get("sm_clock_mhz"), entry.get("board_power_w")
-        return (f"{entry['ms']:.4g} ms" + (f" (SM {clock['first']}->{clock['last']} MHz" if clock else "")
-                + (f", {power['median']:.0f} W" if clock and power else "") + (")" if clock else ""))
+        text, clock, power = f"{entry['ms']:.4g} ms", entry.get("sm_clock_mhz"), entry.get("board_power_w")
+        if clock:
+            watts = f", {power['median']:.0f} W" if power else ""
+            text += f" (SM {clock['first']}->{clock['last']} MHz{watts})"
+        return text
     parts = [f"[bench] {i}/{n} {row['key']}: floor {row['floor_ms']:.4g} ms, ours {say(row['ours'])}"]
     parts += [f"{name} {say(e)}" for name, e in row["peers"].items()]
     print(", ".join(parts), file=sys.stderr, flush=True)

@@ -253,7 +253,6 @@ def _compile_here(v: dict, case: dict) -> list[dict]:
     return reports
 
 
-
 def zero_padding_report(dtype: str = "bf16", block_c: int = 128, aligned: bool = True) -> dict:
     """zero_pad's pass compiled for sm_90 as a seed16 launch specialises it (aligned: pointers and
     strides divisible by 16, as triton's launcher finds them) or an odd shape's: registers, spills,
@@ -264,8 +263,6 @@ def zero_padding_report(dtype: str = "bf16", block_c: int = 128, aligned: bool =
 def _zero_padding_here(dtype: str, block_c: int, aligned: bool) -> dict:
     v = Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3, zero_pad=True)
     fn = render.load_source(render.render_variant(v))._zero_padding_kernel
-    if not hasattr(fn, "arg_names"):  # a planned launch's wrapper (_FastLaunch): its JIT function
-        fn = fn.fn
     signature = {"a_ptr": f"*{dtype}", "h_ptr": f"*{dtype}", "block_rows_ptr": "*i32", "n_a": "i32", "n_h": "i32",
                  "stride_a": "i32", "stride_h": "i32", "BLOCK_M": "constexpr", "BLOCK_C": "constexpr",
                  "ZERO_A": "constexpr", "PDL": "constexpr"}
