@@ -158,7 +158,6 @@ def render_module(rows: list[Row], title: str, header: list[str], tuned_gpu: Tun
         g1_tma_store=any(r.v.g1_tma_store for r in rows),
         sorted_out=any(r.v.g2_sorted_out for r in rows),
         token_permute=any(r.v.permute_by_token for r in rows),
-        zero_pad=any(r.v.zero_pad for r in rows),
         # Dispatch writes each slot's sorted position for a sorted-out GEMM2 and for a token-walking permutation.
         slot_pos=any(r.v.g2_sorted_out or r.v.permute_by_token for r in rows),
         gluon_gemm2=gluon_gemm2,

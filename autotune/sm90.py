@@ -253,28 +253,6 @@ def _compile_here(v: dict, case: dict) -> list[dict]:
     return reports
 
 
-def zero_padding_report(dtype: str = "bf16", block_c: int = 128, aligned: bool = True) -> dict:
-    """zero_pad's pass compiled for sm_90 as a seed16 launch specialises it (aligned: pointers and
-    strides divisible by 16, as triton's launcher finds them) or an odd shape's: registers, spills,
-    and whether its stores are 16-byte vectors."""
-    return in_child_process("autotune.sm90:_zero_padding_here", dtype, block_c, aligned)
-
-
-def _zero_padding_here(dtype: str, block_c: int, aligned: bool) -> dict:
-    v = Variant("split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3, zero_pad=True)
-    fn = render.load_source(render.render_variant(v))._zero_padding_kernel
-    signature = {"a_ptr": f"*{dtype}", "h_ptr": f"*{dtype}", "block_rows_ptr": "*i32", "n_a": "i32", "n_h": "i32",
-                 "stride_a": "i32", "stride_h": "i32", "BLOCK_M": "constexpr", "BLOCK_C": "constexpr",
-                 "ZERO_A": "constexpr", "PDL": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)} if aligned else {}
-    compiled = compile_sm90(fn, signature, {"BLOCK_M": 128, "BLOCK_C": block_c, "ZERO_A": True, "PDL": True}, attrs,
-                            num_warps=8, num_stages=1)
-    ptx = compiled.asm["ptx"]
-    registers, spill = _resource_usage(compiled.asm["cubin"])
-    return {"registers": registers, "spill_bytes": spill, "stores": ptx.count("st.global"),
-            "vector_stores": ptx.count("st.global.v4")}
-
-
 if __name__ == "__main__":
     module_name, function_name = sys.argv[1].split(":")
     result = getattr(importlib.import_module(module_name), function_name)(*json.loads(sys.argv[2]))

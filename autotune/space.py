@@ -164,12 +164,6 @@ PARAMS: tuple[Param, ...] = (
           "k expert-order positions (dispatch also writes each slot's position), instead of each row block "
           "gathering its rows, which reads a token's row once per expert it goes to (k times where L2 misses)",
           default=False, when=lambda v, case: v["dispatch"] == "split"),
-    Param("zero_pad", (False, True),
-          "the rows past each expert's last real row in its last block, which both GEMMs compute and throw "
-          "away, are zeroed first (in the permuted rows and in h; one pass over them, ~0.2 GB at T=8192), "
-          "instead of holding the stale data torch.empty leaves: under the card's power cap the tensor cores "
-          "spend less energy on zeros, and at T=8192 these rows are 20% of both GEMMs' work",
-          default=False, when=lambda v, case: not v["direct"] and v["activation"] == "fused"),
 )
 
 PARAM_BY_NAME = {p.name: p for p in PARAMS}
@@ -220,7 +214,6 @@ class Variant:
     g1_swap_tail: int = 0
     g2_swap_tail: int = 0
     permute_by_token: bool = False
-    zero_pad: bool = False
 
     @property
     def route(self) -> str:
@@ -281,9 +274,8 @@ class Variant:
         g2_text = (gluon(g2, " sorted-out" if self.g2_sorted_out else "") if self.g2_gluon
                    else gemm(g2, self.g2_pair_tail, self.g2_swap_tail))
         dynamic = " dynamic-walk" if self.dynamic_walk else ""
-        zero = " zero-pad" if self.zero_pad else ""
         route = f"{self.route}-by-token" if self.permute_by_token else self.route
-        return f"{route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}{zero}"
+        return f"{route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
 
 
 def rows_computed(v, ids: torch.Tensor, num_experts: int) -> tuple[int, int]:
@@ -327,13 +319,12 @@ def hot_split_violations(cold: Variant, hot: Variant) -> list[str]:
     runs the experts routed fewer than hot_rows rows and the hot one the rest, each with its own
     dispatch, both writing one y in slot order that one combine reads; so neither may write y in
     expert order, need a dispatch-free route, walk tails in a second launch, or permute by token
-    (dispatch leaves a slot's position unset on the other side), and the Gluon GEMMs and zero_pad are
-    left out until tested there. The hot side takes the larger blocks: what it is for."""
+    (dispatch leaves a slot's position unset on the other side), and the Gluon GEMMs are left out
+    until tested there. The hot side takes the larger blocks: what it is for."""
     bad = []
     for side, v in (("cold", cold), ("hot", hot)):
         unfit = [name for name, on in (("direct dispatch", v.direct), ("g2_sorted_out", v.g2_sorted_out),
                                        ("tail_walk", v.tail_walk), ("permute_by_token", v.permute_by_token),
-                                       ("zero_pad", v.zero_pad),
                                        ("a Gluon GEMM", v.g1_gluon or v.g2_gluon)) if on]
         if unfit:
             bad.append(f"the {side} side runs {', '.join(unfit)}, which a routing-adaptive call cannot share")
@@ -378,9 +369,6 @@ def violations(v: Variant, case: Case) -> list[str]:
         bad.append(f"g1_tma_store writes h rows by TMA, which needs 16-byte rows; I={s.I} is not")
     if v.permute_by_token and v.dispatch != "split":
         bad.append("permute_by_token is split dispatch's permutation: it needs dispatch=split")
-    if v.zero_pad and (v.direct or v.activation != "fused"):
-        bad.append("zero_pad zeroes the padding rows of sorted blocks and of fused SwiGLU's h: it needs "
-                   "dispatch fused or split (not direct) and activation=fused")
     if v.g2_sorted_out and not v.g2_gluon:
         bad.append("g2_sorted_out is the Gluon GEMM2's epilogue: it needs g2_gluon")
     if v.g2_sorted_out and (s.H * s.elem_bytes) % 16:

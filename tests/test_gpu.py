@@ -105,16 +105,6 @@ VARIANTS = {
     "split/fused gluon g1 g2 tma-store sorted-out by-token": Variant(
         "split", "fused", 128, 128, 64, 8, 8, 4, 256, 64, 8, 8, 3, True, True, True, True, g1_gluon=True,
         g2_gluon=True, g1_tma_store=True, g2_sorted_out=True, permute_by_token=True),
-    # zero_pad: the padding rows zeroed before GEMM1, on the large-T leaders' forms (T=8192's triton
-    # GEMM1 with the Gluon GEMM2; the all-Gluon pair with the TMA-store epilogue), and on fused dispatch.
-    "split/fused triton g1 gluon g2 zero-pad": Variant(
-        "split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3, True, True, True, True, g2_gluon=True,
-        g2_sorted_out=True, zero_pad=True),
-    "split/fused gluon g1 g2 tma-store zero-pad": Variant(
-        "split", "fused", 128, 128, 64, 8, 8, 3, 256, 64, 8, 8, 3, True, True, True, True, g1_gluon=True,
-        g2_gluon=True, g1_tma_store=True, g2_sorted_out=True, zero_pad=True),
-    "fused/fused tma zero-pad": Variant("fused", "fused", 64, 128, 64, 8, 8, 3, 128, 64, 8, 8, 3, True, True,
-                                        pdl=True, zero_pad=True),
 }
 
 

@@ -187,17 +187,3 @@ def test_swapped_tails_are_wgmma_without_spills(swap):
         assert any(s.startswith("m64n") and s[4:].split("k")[0] == str(swap) for s in swapped.wgmma_shapes), swapped
         assert swapped.shared_bytes == pair.shared_bytes  # the tail's rows fit in the half tail's stages
     assert any("needs g1_pair_tail" in r for r in space.violations(dataclasses.replace(v, g1_pair_tail=False), case))
-
-
-@pytest.mark.parametrize("aligned", [True, False])
-def test_zero_padding_pass_stores_vectors_without_spilling(aligned):
-    """At the module's column chunk (_ZERO_COLS) the pass fits its registers on seed16's aligned rows,
-    where it stores 16 bytes at a time, and on an odd shape's, where it cannot."""
-    from autotune import render
-
-    block_c = int(render.render_variant(dataclasses.replace(small_variant("split"), zero_pad=True))
-                  .split("_ZERO_COLS = ")[1].split()[0])
-    report = sm90.zero_padding_report(block_c=block_c, aligned=aligned)
-    assert report["spill_bytes"] in (0, None)
-    assert report["stores"] > 0
-    assert (report["vector_stores"] == report["stores"]) if aligned else report["vector_stores"] == 0

@@ -10,7 +10,9 @@ number of rounds (default 5, each 5 CUDA-graph replays per variant), and SETTLE_
 before each variant's replays in a round (default the tuner's, timing.SETTLE_MS; 0 for none), so
 that every timing is taken in the capped state that sustained load leaves the card in. With EAGER=1
 each round also times 5 eager back-to-back calls per variant (no graph), reported beside the graph
-figures: a difference that shows in one and not the other is the graph's (NOTES 20).
+figures: a difference that shows in one and not the other is the graph's (NOTES 20). LEADERS_OF names
+another card's fingerprint key to take the leaders from (e.g. H200-sm90-triton3.6.0 when only an H100
+is to be had): the comparison is then relative, on this card, of variants tuned on that one.
 """
 
 import functools
@@ -87,12 +89,13 @@ def main(argv: list[str]) -> int:
         return 1
     tokens = [int(t) for t in argv[0].split(",")]
     rounds = int(os.environ.get("ROUNDS", 5))
+    source = os.environ.get("LEADERS_OF") or target.fingerprint().key
     with Session(db.connect(db.GPU_URL)) as session:
         for T in tokens:
             case = suite(SEED16_SHAPE, [T])[0]  # the routing seed the tuner and the bench use
-            best = emit.leader(session, target.fingerprint().key, case)
+            best = emit.leader(session, source, case)
             if best is None:
-                print(f"T={T}: no leader of today's templates in the database")
+                print(f"T={T}: no leader of today's templates in the database for {source}")
                 continue
             compare(case, candidates(Variant.from_dict(best.params), case, argv[1:]), rounds,
                     bool(os.environ.get("BREAKDOWN")), bool(os.environ.get("EAGER")),
