@@ -1,4 +1,4 @@
-"""tools/ab.py, same_ptx.py, padding.py and host.py, as far as they run without a GPU."""
+"""tools/ab.py, same_ptx.py, padding.py, host.py and weight_stream.py, as far as they run without a GPU."""
 
 import importlib.util
 from pathlib import Path
@@ -143,3 +143,36 @@ def test_dense_bound_row_times_the_module_and_each_chain_that_runs(capsys):
     assert set(row["parties"]) == {"module", *dense_bound.GEMMS}
     assert "T=8" in capsys.readouterr().out
     assert torch.isfinite(torch.tensor(row["floor_ms"]))
+
+
+_spec_ws = importlib.util.spec_from_file_location("weight_stream", Path(__file__).resolve().parent.parent / "tools" /
+                                                  "weight_stream.py")
+weight_stream = importlib.util.module_from_spec(_spec_ws)
+_spec_ws.loader.exec_module(weight_stream)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_weight_stream_reads_every_box_of_each_slab_once(rotate):
+    """Each program's sum is its slab's, whichever column its walk starts at: the rotated walk wraps
+    around K and misses or repeats no box (fp16 integers, so the fp32 sums are exact)."""
+    import torch
+
+    w = torch.randint(-8, 9, (64, 256), generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    w = w.to(weight_stream.target.device())
+    launch, partial = weight_stream.slab_sums(w, (16, 32), rotate)
+    launch()
+    assert torch.equal(partial.cpu(), w.float().view(4, 16, 256).sum(dim=(1, 2)).cpu())
+    with pytest.raises(ValueError, match="does not tile"):
+        weight_stream.slab_sums(w, (24, 32), rotate)
+
+
+def test_weight_stream_parses_boxes_and_names_a_bad_one():
+    assert weight_stream.parse_boxes("256x64, 64x256") == [(256, 64), (64, 256)]
+    with pytest.raises(ValueError, match="'256'"):
+        weight_stream.parse_boxes("128x128,256")
+
+
+@pytest.mark.skipif(weight_stream.target.has_gpu(), reason="it times on this GPU instead")
+def test_weight_stream_refuses_to_run_without_a_gpu(capsys):
+    assert weight_stream.main([]) == 1
+    assert "GPU" in capsys.readouterr().out
