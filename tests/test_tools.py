@@ -151,19 +151,26 @@ weight_stream = importlib.util.module_from_spec(_spec_ws)
 _spec_ws.loader.exec_module(weight_stream)
 
 
-@pytest.mark.parametrize("rotate", [False, True])
-def test_weight_stream_reads_every_box_of_each_slab_once(rotate):
+@pytest.mark.parametrize("walk", ["row-major", "rotated", "k-blocked"])
+def test_weight_stream_reads_every_box_of_each_slab_once(walk):
     """Each program's sum is its slab's, whichever column its walk starts at: the rotated walk wraps
-    around K and misses or repeats no box (fp16 integers, so the fp32 sums are exact)."""
+    around K and misses or repeats no box, and the k-blocked walk sums the rows of its slab in the
+    storage read as [K / BLOCK_K, R, BLOCK_K] (fp16 integers, so the fp32 sums are exact)."""
     import torch
 
     w = torch.randint(-8, 9, (64, 256), generator=torch.Generator().manual_seed(0)).to(torch.float16)
     w = w.to(weight_stream.target.device())
-    launch, partial = weight_stream.slab_sums(w, (16, 32), rotate)
+    launch, partial = weight_stream.slab_sums(w, (16, 32), walk)
     launch()
-    assert torch.equal(partial.cpu(), w.float().view(4, 16, 256).sum(dim=(1, 2)).cpu())
+    storage = w.float().view(256 // 32, 64, 32).transpose(0, 1) if walk == "k-blocked" else w.float()
+    assert torch.equal(partial.cpu(), storage.reshape(4, -1).sum(dim=1).cpu())
     with pytest.raises(ValueError, match="does not tile"):
-        weight_stream.slab_sums(w, (24, 32), rotate)
+        weight_stream.slab_sums(w, (24, 32), walk)
+
+
+def test_weight_stream_names_an_unknown_walk():
+    with pytest.raises(ValueError, match="'diagonal'"):
+        weight_stream.slab_sums(None, (16, 32), "diagonal")
 
 
 def test_weight_stream_parses_boxes_and_names_a_bad_one():
