@@ -18,7 +18,7 @@ from types import ModuleType
 
 import jinja2
 
-from .space import Variant
+from .space import K_BLOCK, Variant
 
 _HERE = Path(__file__).resolve().parent
 # An installed wheel carries the templates inside the package; a checkout keeps them beside it.
@@ -112,6 +112,11 @@ def render_module(rows: list[Row], title: str, header: list[str], tuned_gpu: Tun
     table = sorted(rows, key=lambda r: r.max_tokens)
     # Every variant the module runs, a hot side as its own row: what the kernels and flags cover.
     rows = table + [Row(r.max_tokens, r.hot) for r in table if r.hot is not None]
+    # The op takes its weights in one layout: every row's kernels read that one.
+    layouts = {r.v.weight_layout for r in rows}
+    if len(layouts) > 1:
+        raise ValueError(f"a module reads its weights in one layout; these rows mix {sorted(layouts)}")
+    k_blocked = layouts == {"k64"}
     # A GEMM run by its Gluon kernel needs no triton form.
     rows1 = [r for r in rows if not r.v.g1_gluon]
     rows2 = [r for r in rows if not r.v.g2_gluon]
@@ -140,10 +145,12 @@ def render_module(rows: list[Row], title: str, header: list[str], tuned_gpu: Tun
         # A form carries the pair tile (g1_pair_tail, g2_pair_tail) and its swapped tail only where one of its
         # rows uses them (a direct form has no blocks to pair); the kernel's PAIR_TAIL and SWAP_TAIL
         # arguments stay module-wide, as the launcher passes them to every form.
-        gemm1_forms=[{**_gemm1_form(*f), "half_tail": half_tail, "walk": tail_walk,
+        k_blocked=k_blocked,
+        k_block=K_BLOCK,
+        gemm1_forms=[{**_gemm1_form(*f), "half_tail": half_tail, "walk": tail_walk, "kb": k_blocked,
                       "pair": any(r.v.g1_pair_tail for r in rows1 if r.v.triton_form(1) == f),
                       "swap": any(r.v.g1_swap_tail for r in rows1 if r.v.triton_form(1) == f)} for f in forms1],
-        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk,
+        gemm2_forms=[{**_gemm2_form(*f), "half_tail": half_tail, "walk": tail_walk, "kb": k_blocked,
                       "pair": any(r.v.g2_pair_tail for r in rows2 if r.v.triton_form(2) == f),
                       "swap": any(r.v.g2_swap_tail for r in rows2 if r.v.triton_form(2) == f)} for f in forms2],
         g1_pair=g1_pair,

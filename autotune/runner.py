@@ -44,12 +44,13 @@ class _CaseState:
     def __init__(self):
         self.shape = None
         self.case = None
+        self.prepared = None
 
     def prepare(self, case: Case) -> None:
         dev = target.device()
         if self.shape != case.shape:
             self.shape = self.case = None
-            self.weights = self.verify_weights = None
+            self.weights = self.verify_weights = self.prepared = None
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             self.weights = make_weights(case.shape, dev, seed=0)
@@ -63,15 +64,27 @@ class _CaseState:
             self.experts_touched = experts_touched(self.tokens[2], case.shape.E)
             self.case = case
 
+    def weights_for(self, module) -> tuple[tuple, tuple]:
+        """(timed weights, verification weights) as `module` takes them: the case's own, or for a module
+        that reads a layout of its own (it defines prepare_weights; today only the k-blocked one) its
+        prepared copies, made once per shape and shared by every such trial."""
+        prepare = getattr(module, "prepare_weights", None)
+        if prepare is None:
+            return self.weights, self.verify_weights
+        if self.prepared is None:
+            self.prepared = prepare(*self.weights), prepare(*self.verify_weights)
+        return self.prepared
+
 
 def evaluate(state: _CaseState, case: Case, source: str, reps: int, settle_ms: float = 0.0) -> Result:
     """Render-to-number for one variant: compile (first call), verify, then time."""
     try:
         state.prepare(case)
         module = render.load_source(source)
+        weights, verify_weights = state.weights_for(module)
         x, w, ids = state.verify_tokens
         t0 = time.perf_counter()
-        out = module.fused_experts(x, *state.verify_weights, w, ids)
+        out = module.fused_experts(x, *verify_weights, w, ids)
         if target.has_gpu():
             torch.cuda.synchronize()
         compile_s = time.perf_counter() - t0
@@ -88,7 +101,7 @@ def evaluate(state: _CaseState, case: Case, source: str, reps: int, settle_ms: f
     x, w, ids = state.tokens
     out = torch.empty_like(x)
     try:
-        timing = time_fn(lambda: module.fused_experts(x, *state.weights, w, ids, out=out), reps=reps,
+        timing = time_fn(lambda: module.fused_experts(x, *weights, w, ids, out=out), reps=reps,
                          settle_ms=settle_ms)
     except Exception as exc:
         return Result("runtime_error", _short(exc), compile_s, stats.__dict__)

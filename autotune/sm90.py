@@ -79,7 +79,9 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
             signature[arg] = "constexpr"
         elif arg == "w_desc":
             joint = which == 1 and v.activation == "fused"
-            box = ("1, 2" if joint else "1") + f", {g['BLOCK_N']}, {g['BLOCK_K']}"
+            # k-blocked weights have one more leading dimension, the block of K.
+            box = ("1, 1" if v.weight_layout == "k64" else "1") + (", 2" if joint else "") \
+                + f", {g['BLOCK_N']}, {g['BLOCK_K']}"
             signature[arg] = f"tensordesc<{dt}[{box}]>"
         elif arg in ("a_desc", "h_desc"):
             signature[arg] = f"tensordesc<{dt}[{v.block_m}, {g['BLOCK_K']}]>"

@@ -72,6 +72,18 @@ def _gluon_can_run(which: int) -> Callable[[dict, Case], bool]:
     return can_run
 
 
+# The k-blocked weight layout's block of K: w [E, N, K] stored as [E, K / K_BLOCK, N, K_BLOCK], so that a
+# GEMM's [BLOCK_N, K_BLOCK] weight box is one contiguous run (NOTES 79: 128-byte runs per row stream at
+# x0.91-0.93 of a contiguous read).
+K_BLOCK = 64
+
+
+def _k_blocked_can_run(v: dict, case: Case) -> bool:
+    return (case.shape.H % K_BLOCK == 0 and case.shape.I % K_BLOCK == 0
+            and all(v[f"g{w}_block_k"] == K_BLOCK if v[f"g{w}_weight_tma"] else v[f"g{w}_block_k"] % K_BLOCK == 0
+                    for w in (1, 2)))
+
+
 PARAMS: tuple[Param, ...] = (
     Param("dispatch", ("fused", "split"),
           "fused: GEMM1 gathers token rows through the sorted indices; split: a permutation kernel first "
@@ -159,6 +171,12 @@ PARAMS: tuple[Param, ...] = (
           default=0, when=_swap_can_run(1)),
     Param("g2_swap_tail", (0, 16, 32), "the same swapped tail in the triton GEMM2 (with g2_pair_tail)", default=0,
           when=_swap_can_run(2)),
+    Param("weight_layout", ("rows", "k64"),
+          "the weights as the GEMMs read them: rows, w13 [E, 2I, H] and w2 [E, H, I] as the op's contract "
+          "has them; k64, a copy made once by the module's prepare_weights, [E, K/64, N, 64] (K the GEMM's "
+          "reduction), so that each [BLOCK_N, 64] weight box is one contiguous run instead of BLOCK_N runs of "
+          "128 bytes. A module reads one layout: emit takes every row from one of them",
+          default="rows", when=_k_blocked_can_run),
     Param("permute_by_token", (False, True),
           "split dispatch's permutation walks tokens: each program reads a token row once and writes it to its "
           "k expert-order positions (dispatch also writes each slot's position), instead of each row block "
@@ -214,6 +232,7 @@ class Variant:
     g1_swap_tail: int = 0
     g2_swap_tail: int = 0
     permute_by_token: bool = False
+    weight_layout: str = "rows"
 
     @property
     def route(self) -> str:
@@ -275,7 +294,8 @@ class Variant:
                    else gemm(g2, self.g2_pair_tail, self.g2_swap_tail))
         dynamic = " dynamic-walk" if self.dynamic_walk else ""
         route = f"{self.route}-by-token" if self.permute_by_token else self.route
-        return f"{route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}"
+        layout = " k64" if self.weight_layout == "k64" else ""
+        return f"{route}/{self.activation} M{self.block_m}{half}{pdl} g1 {g1_text} g2 {g2_text}{dynamic}{layout}"
 
 
 def rows_computed(v, ids: torch.Tensor, num_experts: int) -> tuple[int, int]:
@@ -384,6 +404,17 @@ def violations(v: Variant, case: Case) -> list[str]:
             bad.append(f"g{which}_swap_tail runs a paired tail as a swapped dot narrower than block_m/2 rows: it "
                        f"needs g{which}_pair_tail and block_m >= 64, fewer rows than block_m/2, and the triton "
                        f"GEMM{which}")
+    if v.weight_layout == "k64":
+        if s.H % K_BLOCK or s.I % K_BLOCK:
+            bad.append(f"weight_layout=k64 blocks K in {K_BLOCK}s: H={s.H} and I={s.I} must be multiples of {K_BLOCK}")
+        for which in (1, 2):
+            g = v.gemm(which)
+            if g["weight_tma"] and g["BLOCK_K"] != K_BLOCK:
+                bad.append(f"weight_layout=k64 with TMA weights reads one {K_BLOCK}-column block a box: "
+                           f"g{which}_block_k must be {K_BLOCK}")
+            elif g["BLOCK_K"] % K_BLOCK:
+                bad.append(f"weight_layout=k64 steps through whole {K_BLOCK}-column blocks: g{which}_block_k must be "
+                           f"a multiple of {K_BLOCK}")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()

@@ -51,17 +51,18 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
     runs = []
     for name, v in cands:
         module = render.load_source(render.render_variant(v))
+        weights, verify_weights = state.weights_for(module)
         x, w, ids = state.verify_tokens
-        out = module.fused_experts(x, *state.verify_weights, w, ids)
+        out = module.fused_experts(x, *verify_weights, w, ids)
         failures = error_stats(out, state.reference).failures(BAR)
         if failures:
             print(f"T={case.T} {v.label}: fails the bar ({'; '.join(failures)}), not timed")
             continue
-        runs.append((name, v, module))
+        runs.append((name, v, module, weights))
     x, w, ids = state.tokens
     buf = torch.empty_like(x)
-    calls = {name: functools.partial(module.fused_experts, x, *state.weights, w, ids, out=buf)
-             for name, _, module in runs}
+    calls = {name: functools.partial(module.fused_experts, x, *weights, w, ids, out=buf)
+             for name, _, module, weights in runs}
     methods = ("graph", "eager") if eager else ("graph",)
     samples = {(name, how): [] for name in calls for how in methods}
     for _ in range(rounds):
@@ -70,7 +71,7 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
                 samples[name, how].append(time_fn(call, reps=5, graph=how == "graph", settle_ms=settle_ms).median_ms)
     for how in methods:
         lead_ms = statistics.median(samples["leader", how])
-        for name, v, _ in runs:
+        for name, v, *_ in runs:
             ms = statistics.median(samples[name, how])
             print(f"T={case.T:<6} {ms:8.4f} ms  x{ms / lead_ms:.3f}  {how:5s}  {v.label}  rounds "
                   f"{[round(s, 3) for s in samples[name, how]]}")
