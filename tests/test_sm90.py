@@ -187,3 +187,20 @@ def test_swapped_tails_are_wgmma_without_spills(swap):
         assert any(s.startswith("m64n") and s[4:].split("k")[0] == str(swap) for s in swapped.wgmma_shapes), swapped
         assert swapped.shared_bytes == pair.shared_bytes  # the tail's rows fit in the half tail's stages
     assert any("needs g1_pair_tail" in r for r in space.violations(dataclasses.replace(v, g1_pair_tail=False), case))
+
+
+@pytest.mark.parametrize("gluon", [False, True])
+def test_k_blocked_weights_compile_to_the_same_kernels(gluon):
+    """weight_layout=k64 changes only the weight boxes' coordinates: the same TMA copies, shared
+    memory, registers and wgmma tiles as the row-major form, without spills (the Gluon loaders have no
+    interpreter, so this is their CPU check; the GPU tests run them)."""
+    case = Case(SEED16_SHAPE, 8192)
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=128, bk=64),
+                            g1_num_warps=8, g1_num_stages=3, g2_block_n=256, g2_num_warps=8, g2_num_stages=3,
+                            g1_gluon=gluon, g2_gluon=gluon, half_tail=True)
+    k64 = dataclasses.replace(v, weight_layout="k64")
+    assert [r for r in space.violations(k64, case) if "need a GPU" not in r] == []
+    for rows, blocked in zip(sm90.gemm_reports(v, case), sm90.gemm_reports(k64, case), strict=True):
+        assert blocked.spill_bytes in (0, None)
+        assert (blocked.name, blocked.shared_bytes, blocked.tma_copies, blocked.wgmma_shapes) == \
+            (rows.name, rows.shared_bytes, rows.tma_copies, rows.wgmma_shapes)

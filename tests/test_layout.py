@@ -1,0 +1,112 @@
+"""The k-blocked weight layout (weight_layout=k64): every GEMM form reads the prepared copy and computes
+exactly what it computes on the row-major weights; a module of that layout refuses any other."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from conftest import DEVICE, DTYPES, FORMS, small_variant
+
+from autotune import render, space
+from autotune.reference import BAR, error_stats, moe_reference
+from autotune.runner import _CaseState
+from autotune.workloads import Case, Shape, make_tokens, make_weights
+
+# H and I multiples of the layout's 64-column block; T gives most experts a block and a tail.
+SHAPE = Shape(4, 128, 64, 2, str(DTYPES[0]).removeprefix("torch."))
+
+
+def _k64(v):
+    return dataclasses.replace(v, weight_layout="k64")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return make_weights(SHAPE, DEVICE, seed=2)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_reads_the_k_blocked_copy_exactly(form, weights):
+    """Same tiles, same order along K, other addresses: the output is the row-major one bit for bit (a
+    kernel that read a wrong element of the copy could not match it), and within the bar."""
+    v = small_variant(*form, bk=64)
+    case = Case(SHAPE, 3 if form[0] == "direct" else 37, seed=5)
+    assert not space.violations(_k64(v), case)
+    rows, blocked = (render.load_source(render.render_variant(x)) for x in (v, _k64(v)))
+    x, w, ids = make_tokens(case, DEVICE)
+    out = blocked.fused_experts(x, *blocked.prepare_weights(*weights), w, ids)
+    assert torch.equal(out, rows.fused_experts(x, *weights, w, ids))
+    assert not error_stats(out, moe_reference(x, *weights, w, ids)).failures(BAR)
+
+
+@pytest.fixture(scope="module")
+def blocked_module():
+    return render.load_source(render.render_variant(_k64(small_variant(tma=True, bk=64))))
+
+
+def test_prepare_weights_blocks_k(blocked_module, weights):
+    w13, w2 = weights
+    p13, p2 = blocked_module.prepare_weights(w13, w2)
+    assert p13.shape == (4, 128 // 64, 128, 64) and p2.shape == (4, 64 // 64, 128, 64)
+    assert p13.is_contiguous() and p2.is_contiguous()
+    assert torch.equal(p13[1, 1, 5], w13[1, 5, 64:128])  # expert 1, K block 1, row 5
+    assert torch.equal(p2[3, 0, 100], w2[3, 100, :64])
+
+
+def test_a_k_blocked_module_refuses_other_weights_by_name(blocked_module, weights):
+    x, w, ids = make_tokens(Case(SHAPE, 5), DEVICE)
+    with pytest.raises(ValueError, match=r"w13 is \[E, N, K\].*prepare_weights"):
+        blocked_module.fused_experts(x, *weights, w, ids)
+    p13, p2 = blocked_module.prepare_weights(*weights)
+    with pytest.raises(ValueError, match="w2 must be the k-blocked"):
+        blocked_module.fused_experts(x, p13, p13, w, ids)
+    with pytest.raises(ValueError, match="w13 must be contiguous"):
+        blocked_module.fused_experts(x, p13.transpose(2, 3).contiguous().transpose(2, 3), p2, w, ids)
+    odd = torch.zeros(4, 128, 96, dtype=weights[0].dtype, device=DEVICE)
+    with pytest.raises(ValueError, match="w13: its last dimension \\(96\\) must be a multiple of 64"):
+        blocked_module.prepare_weights(odd, weights[1])
+    with pytest.raises(ValueError, match="must be \\[E, 2I, H\\] and \\[E, H, I\\]"):
+        blocked_module.prepare_weights(weights[0], weights[0])
+
+
+@pytest.mark.parametrize("form", [("fused", "fused", False, False), ("split", "split", False, True)])
+def test_pointer_loads_step_two_blocks_at_a_time(form):
+    """BLOCK_K = 128 on the k-blocked copy: each step's tile spans two blocks of K."""
+    shape = Shape(4, 256, 128, 2, SHAPE.dtype)
+    v = small_variant(*form, bk=128)
+    case = Case(shape, 21, seed=1)
+    assert not space.violations(_k64(v), case)
+    weights = make_weights(shape, DEVICE, seed=3)
+    rows, blocked = (render.load_source(render.render_variant(x)) for x in (v, _k64(v)))
+    x, w, ids = make_tokens(case, DEVICE)
+    out = blocked.fused_experts(x, *blocked.prepare_weights(*weights), w, ids)
+    assert torch.equal(out, rows.fused_experts(x, *weights, w, ids))
+
+
+def test_the_space_keeps_k64_to_whole_blocks():
+    case = Case(SHAPE, 37)
+    tma128 = space.violations(_k64(small_variant(tma=True, bk=128)), Case(Shape(4, 256, 128, 2, SHAPE.dtype), 37))
+    assert any("g1_block_k must be 64" in r for r in tma128) and any("g2_block_k must be 64" in r for r in tma128)
+    assert any("multiple of 64" in r for r in space.violations(_k64(small_variant(bk=32)), case))
+    odd = Case(Shape(4, 96, 64, 2, SHAPE.dtype), 37)
+    assert any("H=96 and I=64 must be multiples of 64" in r for r in space.violations(_k64(small_variant(bk=64)), odd))
+    when = space.PARAM_BY_NAME["weight_layout"].when
+    assert when(small_variant(bk=64).as_dict(), case) and not when(small_variant(bk=64).as_dict(), odd)
+
+
+def test_a_module_reads_one_layout():
+    rows = [render.Row(8, small_variant(bk=64)), render.Row(math.inf, _k64(small_variant(bk=64)))]
+    with pytest.raises(ValueError, match="one layout"):
+        render.render_module(rows, "mixed", [])
+
+
+def test_trials_of_a_k_blocked_variant_run_on_prepared_copies_made_once(blocked_module):
+    state = _CaseState()
+    state.prepare(Case(SHAPE, 5))
+    rows_module = render.load_source(render.render_variant(small_variant(bk=64)))
+    assert state.weights_for(rows_module) == (state.weights, state.verify_weights)
+    timed, verify = state.weights_for(blocked_module)
+    assert timed[0].dim() == 4 and torch.equal(timed[0], blocked_module.prepare_weights(*state.weights)[0])
+    assert torch.equal(verify[1], blocked_module.prepare_weights(*state.verify_weights)[1])
+    assert state.weights_for(blocked_module)[0][0] is timed[0]
