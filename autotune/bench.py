@@ -14,8 +14,11 @@ import json
 import math
 import statistics
 import sys
+import time
 from dataclasses import asdict
 from datetime import datetime, timezone
+
+import torch
 
 from . import space, target
 from .ceilings import SUSTAINED_CALLS, Ceilings, floor_ms, free_gpu_memory, measure_ceilings
@@ -63,19 +66,22 @@ def _measure(fn, args, ref_TH, case: Case, floor: float, bytes_moved: int, *, gr
     return entry
 
 
-def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, reps, warmup, variant_for=None) -> dict:
+def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, reps, warmup, variant_for=None,
+                prepared=None) -> dict:
     """One row: reference, experts touched, floor, then ours and each peer checked and timed (and,
-    given the variant that serves T, the rows each of our GEMMs computes)."""
+    given the variant that serves T, the rows each of our GEMMs computes). Ours takes `prepared`,
+    the weights its prepare_weights made, where it has one; the reference and the peers the weights."""
     x_TH, w_TK, ids_TK = make_tokens(case, target.device())
     args = (x_TH, w13_EnH, w2_EHI, w_TK, ids_TK)
+    ours_args = args if prepared is None else (x_TH, *prepared, w_TK, ids_TK)
     ref_TH = moe_reference(*args)
     touched = experts_touched(ids_TK, case.shape.E)
     floor, nbytes = floor_ms(case, touched, ceilings), case.bytes_moved(touched)
     row = {"key": case.key, "case": case.as_dict(), "T": case.T, "experts_touched": touched,
            "bytes": nbytes, "flops": case.flops, "floor_ms": floor}
-    measure = lambda fn, graph: _measure(fn, args, ref_TH, case, floor, nbytes, graph=graph, reps=reps,
-                                         warmup=warmup)
-    row["ours"] = measure(fused_experts, True)
+    measure = lambda fn, graph, args=args: _measure(fn, args, ref_TH, case, floor, nbytes, graph=graph, reps=reps,
+                                                    warmup=warmup)
+    row["ours"] = measure(fused_experts, True, ours_args)
     if variant_for is not None:
         row["ours"]["rows_computed"] = list(space.rows_computed(variant_for(case.T), ids_TK, case.shape.E))
     row["peers"] = {}
@@ -86,7 +92,7 @@ def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, reps, war
         row["peers"][peer.name] = entry
     if row["ours"]["ok"]:
         # Profiled last, so the profiler cannot disturb any timing above.
-        row["ours"]["kernels"] = kernel_breakdown(lambda: fused_experts(*args))
+        row["ours"]["kernels"] = kernel_breakdown(lambda: fused_experts(*ours_args))
     return row
 
 
@@ -120,11 +126,28 @@ def _progress(i: int, n: int, row: dict) -> None:
     print(", ".join(parts), file=sys.stderr, flush=True)
 
 
+def _prepare(prepare_weights, w13_EnH, w2_EHI, shape) -> tuple[tuple, dict]:
+    """The module's one-time weight step, timed apart from the op: its result, and a record of one
+    call's wall time after a first (the first pays the allocator's growth)."""
+    prepared = prepare_weights(w13_EnH, w2_EHI)
+    sync = torch.cuda.synchronize if target.has_gpu() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    again = prepare_weights(w13_EnH, w2_EHI)
+    sync()
+    ms = (time.perf_counter() - t0) * 1e3
+    del again
+    nbytes = 2 * sum(w.numel() * w.element_size() for w in (w13_EnH, w2_EHI))
+    return prepared, {"shape": shape.key, "ms": ms, "bytes": nbytes, "tbps": nbytes / ms / 1e9}
+
+
 def run_bench(fused_experts, cases: list[Case], *, peers: bool = True, ceilings: Ceilings | None = None,
-              reps: int = 20, warmup: int = 3, variant_for=None) -> dict:
+              reps: int = 20, warmup: int = 3, variant_for=None, prepare_weights=None) -> dict:
     """Benchmark `fused_experts` (the op's signature) on `cases` against the floor and the peers.
     `variant_for(T)`, where given (an emitted module's select_variant), names the variant that serves
-    T, so that each row also records the rows our GEMMs compute (space.rows_computed).
+    T, so that each row also records the rows our GEMMs compute (space.rows_computed). Where the
+    module reads a weight layout of its own, `prepare_weights` makes it once per shape: that step is
+    timed on its own (result["prepare_weights"]), and the op's timings take its result.
 
     Weights: make_weights(shape, device, seed=0), once per Shape; tokens: make_tokens(case). Every
     output is checked against moe_reference before it is timed. Returns a JSON-serialisable dict:
@@ -132,14 +155,20 @@ def run_bench(fused_experts, cases: list[Case], *, peers: bool = True, ceilings:
     """
     ceilings = ceilings or measure_ceilings(reps=reps)
     used = PEERS if peers else ()
-    rows = []
+    rows, prepare_records = [], []
     for shape in dict.fromkeys(c.shape for c in cases):
         w13_EnH, w2_EHI = make_weights(shape, target.device(), seed=0)
+        prepared = None
+        if prepare_weights is not None:
+            prepared, record = _prepare(prepare_weights, w13_EnH, w2_EHI, shape)
+            prepare_records.append(record)
+            print(f"[bench] prepare_weights ({shape.key}): {record['ms']:.1f} ms, once (not in any case's time)",
+                  file=sys.stderr, flush=True)
         for case in (c for c in cases if c.shape == shape):
             rows.append(_bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, used, reps, warmup,
-                                    variant_for))
+                                    variant_for, prepared))
             _progress(len(rows), len(cases), rows[-1])
-        del w13_EnH, w2_EHI
+        del w13_EnH, w2_EHI, prepared
         free_gpu_memory()
     return {
         "fingerprint": target.fingerprint().as_dict(),
@@ -148,6 +177,7 @@ def run_bench(fused_experts, cases: list[Case], *, peers: bool = True, ceilings:
         "peers": [{"name": p.name, "label": p.label, "short": p.short} for p in used],
         "cases": rows,
         "mean": _means(rows, used),
+        **({"prepare_weights": prepare_records} if prepare_weights is not None else {}),
     }
 
 
@@ -219,6 +249,9 @@ def format_table(result: dict) -> str:
         pm, om = m[p["name"]]["ms"], m["ours"]["ms"]
         cells += [_num(pm, ".4g"), _num(pm / om if pm and om else None, ".2f")]
     lines.append("| " + " | ".join(cells) + " |")
+    for record in result.get("prepare_weights", ()):
+        lines.append(f"\nprepare_weights, once per model ({record['shape']}): {record['ms']:.1f} ms "
+                     f"({record['bytes'] / 1e9:.1f} GB read and written), in no case's time above.")
     return "\n".join(lines) + "\n"
 
 

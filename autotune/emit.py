@@ -14,7 +14,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session
 
 from . import __version__, db, render, target
-from .space import Variant, hot_split_violations
+from .space import PARAM_BY_NAME, Variant, hot_split_violations
 from .workloads import Case
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "kernels_generated"
@@ -90,7 +90,7 @@ class HillStep:
         return self.challenger is not None and self.leader is self.challenger
 
 
-def hill(session: Session, fingerprint: str, case: Case) -> list[HillStep]:
+def hill(session: Session, fingerprint: str, case: Case, layout: str | None = None) -> list[HillStep]:
     """The runs of `case` in order, each with the leader it left: king of the hill.
 
     The first run's fastest trial leads. In each later run that timed the leader (the tuner re-times
@@ -100,11 +100,12 @@ def hill(session: Session, fingerprint: str, case: Case) -> list[HillStep]:
     timings are never compared across states of the GPU, whose clock moves runs apart by as much as
     the variants differ. A run that did not time the leader is set against the leader's latest
     figure, the best it has. Trials of code the templates no longer render are skipped: never
-    shipped on the strength of another kernel's time.
+    shipped on the strength of another kernel's time. With `layout`, only variants that read the
+    weights in that layout (space's weight_layout) take part.
     """
     runs: dict[int, dict[str, list[db.Trial]]] = {}
     for t in db.verified_trials(session, fingerprint, case.key):
-        if _current(t):
+        if _current(t) and (layout is None or Variant.from_dict(t.params).weight_layout == layout):
             runs.setdefault(t.run_id, {}).setdefault(t.source_hash, []).append(t)
     steps: list[HillStep] = []
     for run_id in sorted(runs):
@@ -126,10 +127,41 @@ def hill(session: Session, fingerprint: str, case: Case) -> list[HillStep]:
     return steps
 
 
-def leader(session: Session, fingerprint: str, case: Case) -> db.Trial | None:
-    """The variant `emit` ships for `case`: the last leader of its `hill`."""
-    steps = hill(session, fingerprint, case)
+def leader(session: Session, fingerprint: str, case: Case, layout: str | None = None) -> db.Trial | None:
+    """The variant `emit` ships for `case`: the last leader of its `hill` (of one weight layout's
+    variants, with `layout`)."""
+    steps = hill(session, fingerprint, case, layout)
     return steps[-1].leader if steps else None
+
+
+WEIGHT_LAYOUTS = ("auto", *PARAM_BY_NAME["weight_layout"].choices)
+
+
+def _mean_sol(trials: list[db.Trial]) -> float:
+    return sum(t.floor_ms / t.median_ms for t in trials) / len(trials)
+
+
+def choose_layout(session: Session, fingerprint: str, cases: list[Case], layout: str = "auto",
+                  log=lambda m: None) -> tuple[str, dict[str, db.Trial]]:
+    """The weight layout a module of `cases` reads, and each case's leader in it (by case key). A
+    module takes one layout (render_module), so its rows all come from one. "auto" takes, of the
+    layouts with a leader for every case that has one at all, the one whose leaders' mean %SOL at
+    tuning time is highest (the bench's measure; each case's leaders were timed in its runs); a named
+    layout takes that one's leaders, and a case without one is left to the nearest row."""
+    by_layout = {name: {c.key: t for c in cases if (t := leader(session, fingerprint, c, name)) is not None}
+                 for name in WEIGHT_LAYOUTS[1:]}
+    if layout != "auto":
+        return layout, by_layout[layout]
+    tuned = {key for best in by_layout.values() for key in best}
+    full = {name: best for name, best in by_layout.items() if best.keys() == tuned and tuned}
+    if len(full) < 2 or any(not t.floor_ms for best in full.values() for t in best.values()):
+        name = "rows" if "rows" in full or not full else next(iter(full))
+        return name, by_layout[name]
+    sol = {name: _mean_sol(list(best.values())) for name, best in full.items()}
+    name = max(sol, key=sol.get)
+    log("weight layout: " + ", ".join(f"{n} {100 * v:.1f}% mean SOL at tuning time" for n, v in sol.items())
+        + f" over {len(tuned)} cases -> {name}")
+    return name, full[name]
 
 
 def contenders(session: Session, fingerprint: str, case: Case, n: int) -> list[db.Trial]:
@@ -157,8 +189,9 @@ def stale_leaders(session: Session, fingerprint: str, case: Case, n: int) -> lis
 def hot_partner(session: Session, fingerprint: str, case: Case, cold: Variant, routing: str) -> db.Trial | None:
     """The variant a routing-adaptive row runs its hot experts by: the leader of `case` tuned under
     `routing` (a hot-expert load), where it can share a call with `cold` (space.hot_split_violations:
-    larger blocks, one y in slot order); otherwise None, and the row stays one variant."""
-    lead = leader(session, fingerprint, dataclasses.replace(case, routing=routing))
+    larger blocks, one y in slot order; the same weight layout); otherwise None, and the row stays one
+    variant."""
+    lead = leader(session, fingerprint, dataclasses.replace(case, routing=routing), cold.weight_layout)
     if lead is None or hot_split_violations(cold, Variant.from_dict(lead.params)):
         return None
     return lead
@@ -184,14 +217,18 @@ def _tuned_gpu(gpu: str, capability: str, case: Case) -> render.TunedGpu | None:
 
 
 def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None = None,
-         out_dir: Path = OUT_DIR, hot_routing: str | None = None, log=lambda m: None) -> Path:
-    """Render the module of the best verified variant of each case measured on `fingerprint`. With
-    `hot_routing`, a row whose case was also tuned under that routing runs its hot experts (those
-    routed at least half the hot variant's block of rows) by that routing's leader (`hot_partner`).
-    Cases without one are served by the nearest tuned row, and `log` is told."""
+         out_dir: Path = OUT_DIR, hot_routing: str | None = None, log=lambda m: None,
+         weight_layout: str = "auto") -> Path:
+    """Render the module of the best verified variant of each case measured on `fingerprint`, all of
+    one weight layout (`choose_layout`). With `hot_routing`, a row whose case was also tuned under
+    that routing runs its hot experts (those routed at least half the hot variant's block of rows) by
+    that routing's leader (`hot_partner`). Cases without one are served by the nearest tuned row,
+    and `log` is told."""
     if name is not None and not name.isidentifier():
         raise ValueError(f"--name must be a Python identifier (the module's import name, without .py), got {name!r}")
-    best = {c.key: t for c in cases if (t := leader(session, fingerprint, c)) is not None}
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got {weight_layout!r}")
+    weight_layout, best = choose_layout(session, fingerprint, cases, weight_layout, log)
     tuned = sorted((c for c in cases if c.key in best), key=lambda c: c.T)
     if not tuned:
         held = ", ".join(db.fingerprints(session)) or "none"
@@ -243,6 +280,8 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
                                                         for m, ts in methods.items()) + ".", 100)
     if missing:
         header.append(f"Not tuned (served by the nearest row): T = {', '.join(map(str, missing))}.")
+    if weight_layout != "rows":
+        header.append(f"Weight layout: {weight_layout}; pass the weights through prepare_weights once (see below).")
     path = module_path(fingerprint, shape.key, out_dir, name)
     gpu = _tuned_gpu(run.gpu, run.capability, tuned[0])
     graphed, why = graph_tokens([(c.T, r.max_tokens, best[c.key].median_ms) for c, r in zip(tuned, rows, strict=True)])

@@ -135,6 +135,36 @@ def test_seed16_bf16_matches_reference(seed16_weights, name, T):
     assert torch.equal(out, again), "not bitwise deterministic"
 
 
+# weight_layout=k64 on the GPU: the pointer, triton TMA and Gluon forms (the Gluon loaders have no
+# interpreter) on a k-blocked copy compute the row-major output bit for bit.
+K64_FORMS = ["fused/fused small", "fused/fused tma", "split/fused tma persistent half",
+             "split/fused tma half pair swap", "split/fused gluon g1 g2 half pair dynamic", "fused/fused gluon g1 gather g2 half tma-store sorted-out",
+             "split/fused gluon g1 half pair dynamic tma-store, triton g2"]
+
+
+@pytest.fixture(scope="module")
+def seed16_k64_weights(seed16_weights):
+    import dataclasses
+
+    any_k64 = render.load_source(render.render_variant(dataclasses.replace(VARIANTS["fused/fused small"],
+                                                                           weight_layout="k64")))
+    return any_k64.prepare_weights(*seed16_weights)
+
+
+@pytest.mark.parametrize("T", [7, 4096])
+@pytest.mark.parametrize("name", K64_FORMS)
+def test_k_blocked_weights_compute_the_same_output(seed16_weights, seed16_k64_weights, name, T):
+    import dataclasses
+
+    variant = VARIANTS[name]
+    rows, blocked = (render.load_source(render.render_variant(v))
+                     for v in (variant, dataclasses.replace(variant, weight_layout="k64")))
+    x, w, ids = make_tokens(Case(SEED16_SHAPE, T, seed=T), target.device())
+    out = blocked.fused_experts(x, *seed16_k64_weights, w, ids)
+    assert torch.equal(out, rows.fused_experts(x, *seed16_weights, w, ids))
+    assert not error_stats(out, moe_reference(x, *seed16_weights, w, ids)).failures(BAR)
+
+
 # An awkward shape for every form: H and I multiples of 16 bytes (what TMA asks) but of no tile size,
 # so every K loop, column tile and TMA box ends part-way; 12 experts, k=3. (The forms' own rules may
 # refuse some variants here, e.g. a BLOCK_K wider than K: those skip, naming the rule.)
