@@ -138,7 +138,8 @@ def test_seed16_bf16_matches_reference(seed16_weights, name, T):
 # weight_layout=k64 on the GPU: the pointer, triton TMA and Gluon forms (the Gluon loaders have no
 # interpreter) on a k-blocked copy compute the row-major output bit for bit.
 K64_FORMS = ["fused/fused small", "fused/fused tma", "split/fused tma persistent half",
-             "split/fused tma half pair swap", "split/fused gluon g1 g2 half pair dynamic", "fused/fused gluon g1 gather g2 half tma-store sorted-out",
+             "split/fused tma half pair swap", "split/fused gluon g1 g2 half pair dynamic",
+             "fused/fused gluon g1 gather g2 half tma-store sorted-out",
              "split/fused gluon g1 half pair dynamic tma-store, triton g2"]
 
 
