@@ -110,3 +110,49 @@ def test_trials_of_a_k_blocked_variant_run_on_prepared_copies_made_once(blocked_
     assert timed[0].dim() == 4 and torch.equal(timed[0], blocked_module.prepare_weights(*state.weights)[0])
     assert torch.equal(verify[1], blocked_module.prepare_weights(*state.verify_weights)[1])
     assert state.weights_for(blocked_module)[0][0] is timed[0]
+
+
+def _record(s, run, fp, case, v, ms, floor=1.0):
+    from autotune import db
+
+    db.record_trial(s, run_id=run.id, study="t", fingerprint=fp.key, case_key=case.key, case=case.as_dict(),
+                    params=v.as_dict(), label=v.label, source_hash=render.variant_hash(v), status="ok",
+                    median_ms=ms, floor_ms=floor)
+
+
+def test_emit_takes_every_row_from_one_layout(tmp_path):
+    """auto: the layout whose leaders have the higher mean %SOL, of those tuned on every case; a case
+    with no k64 trial keeps the module on rows; a named layout is taken as asked. The k64 module holds
+    prepare_weights and `check`'s path through it passes."""
+    from sqlalchemy.orm import Session
+
+    from autotune import bench, db, emit, target
+    from autotune.workloads import suite
+
+    fp = target.fingerprint()
+    cases = suite(SHAPE, (3, 37))
+    rows_v, k64_v = small_variant(bk=64), _k64(small_variant(bk=64, group_m=1))
+    said = []
+    with Session(db.connect(f"sqlite:///{tmp_path / 'layout.sqlite3'}")) as s:
+        run = db.start_run(s, fp, "test", None)
+        _record(s, run, fp, cases[0], rows_v, 1.0)
+        _record(s, run, fp, cases[0], k64_v, 0.9)
+        _record(s, run, fp, cases[1], rows_v, 2.0)
+        assert emit.choose_layout(s, fp.key, cases)[0] == "rows"  # T=37 has no k64 trial
+        _record(s, run, fp, cases[1], k64_v, 2.1)  # mean SOL: rows (1 + 0.5) / 2, k64 (1/0.9 + 1/2.1) / 2
+        layout, best = emit.choose_layout(s, fp.key, cases, log=said.append)
+        assert layout == "k64" and {t.label for t in best.values()} == {k64_v.label}
+        assert "k64 79.4% mean SOL" in said[0] and "rows 75.0%" in said[0]
+        forced = emit.emit(s, fp.key, cases, "forced_rows", tmp_path, weight_layout="rows").read_text()
+        path = emit.emit(s, fp.key, cases, "auto_k64", tmp_path)
+        with pytest.raises(ValueError, match="weight_layout must be one of auto, rows, k64"):
+            emit.emit(s, fp.key, cases, "bad", tmp_path, weight_layout="k128")
+    assert "def prepare_weights" not in forced
+    text = path.read_text()
+    assert "Weight layout: k64" in text and "def prepare_weights" in text
+    module = render.load_path(path)
+    result = bench.run_bench(module.fused_experts, cases[:1], peers=False, reps=1, warmup=0,
+                             prepare_weights=module.prepare_weights,
+                             ceilings=bench.Ceilings(1e12, 1e14, 1e14, None))
+    assert result["cases"][0]["ours"]["ok"] and result["prepare_weights"][0]["shape"] == SHAPE.key
+    assert "prepare_weights, once per model" in bench.format_table(result)
