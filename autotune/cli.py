@@ -129,7 +129,7 @@ def _module_path(args, cases) -> Path:
 
 
 def cmd_check(args) -> int:
-    from . import target
+    from . import render, target
     from .reference import BAR, error_stats, moe_reference
     from .workloads import make_tokens, make_weights
 
@@ -139,9 +139,7 @@ def cmd_check(args) -> int:
     module = _load_module(path)
     dev = target.device()
     w13, w2 = make_weights(cases[0].shape, dev, seed=11)
-    # A module that reads a weight layout of its own takes the weights through its prepare_weights.
-    prepare = getattr(module, "prepare_weights", None)
-    weights = prepare(w13, w2) if prepare else (w13, w2)
+    weights = render.weights_for(module, w13, w2)  # a k64 module's own copy
     failed = 0
     for case in cases:
         x, w, ids = make_tokens(case, dev, seed_offset=101)

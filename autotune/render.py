@@ -219,6 +219,14 @@ def load_source(source: str) -> ModuleType:
     return load_path(path, name)
 
 
+def weights_for(module: ModuleType, w13, w2) -> tuple:
+    """The weights as `module` (a trial or an emitted module) takes them: w13 and w2 themselves, or,
+    for a module that reads a layout of its own (it defines prepare_weights: weight_layout=k64), its
+    one-time copy of them."""
+    prepare = getattr(module, "prepare_weights", None)
+    return (w13, w2) if prepare is None else prepare(w13, w2)
+
+
 def load_path(path: Path | str, name: str | None = None) -> ModuleType:
     """Import a module file (an emitted or a trial module) by path."""
     path = Path(path)

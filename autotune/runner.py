@@ -68,11 +68,10 @@ class _CaseState:
         """(timed weights, verification weights) as `module` takes them: the case's own, or for a module
         that reads a layout of its own (it defines prepare_weights; today only the k-blocked one) its
         prepared copies, made once per shape and shared by every such trial."""
-        prepare = getattr(module, "prepare_weights", None)
-        if prepare is None:
+        if not hasattr(module, "prepare_weights"):
             return self.weights, self.verify_weights
         if self.prepared is None:
-            self.prepared = prepare(*self.weights), prepare(*self.verify_weights)
+            self.prepared = render.weights_for(module, *self.weights), render.weights_for(module, *self.verify_weights)
         return self.prepared
 
 

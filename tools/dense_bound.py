@@ -117,7 +117,8 @@ def _case_row(case, module, w13, w2, ceil, rounds: int) -> dict:
     floor = ceilings.floor_ms(case, experts_touched(ids, case.shape.E), ceil)
     heat = functools.partial(moe_reference, x, w13, w2, w, ids)  # bench runs it before timing ours
     calls, failed = _chains(case, w13, w2, x)
-    calls = {"module": functools.partial(module.fused_experts, x, w13, w2, w, ids), **calls}
+    module_weights = render.weights_for(module, w13, w2)  # a k64 module's own copy; the chains take w13, w2
+    calls = {"module": functools.partial(module.fused_experts, x, *module_weights, w, ids), **calls}
     parties = {}
     for name, call in calls.items():
         parties[name] = _timed(call, heat, floor, case.flops)

@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
     shape = parse_shape(argv[2]) if len(argv) > 2 else SEED16_SHAPE
     module = render.load_path(path)
     dev = target.device()
-    w13, w2 = make_weights(shape, dev, seed=3)
+    w13, w2 = render.weights_for(module, *make_weights(shape, dev, seed=3))
     print(f"{path.name} on {target.fingerprint().key}")
     paths = eager_paths(module)
     own = getattr(module, "_FAST_LAUNCH", False), getattr(module, "_GRAPH_MAX_TOKENS", 0)

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     shape = SEED16_SHAPE
     module = render.load_path(Path(argv[1]) if len(argv) > 1 else emit.this_machine_module_path(shape.key))
     rounds = int(os.environ.get("ROUNDS", 5))
-    w13, w2 = make_weights(shape, target.device())
+    w13, w2 = render.weights_for(module, *make_weights(shape, target.device()))
     for T in (int(t) for t in argv[0].split(",")):
         x, w, ids = make_tokens(suite(shape, [T])[0], target.device())
         routings = {"suite": ids, "balanced": balanced_ids(T, shape.k, shape.E, ids)}
