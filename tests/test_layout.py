@@ -156,3 +156,7 @@ def test_emit_takes_every_row_from_one_layout(tmp_path):
                              ceilings=bench.Ceilings(1e12, 1e14, 1e14, None))
     assert result["cases"][0]["ours"]["ok"] and result["prepare_weights"][0]["shape"] == SHAPE.key
     assert "prepare_weights, once per model" in bench.format_table(result)
+    from autotune import cli
+
+    assert cli.main(["check", "--shape", "4,128,64,2", "--dtype", "float16", "--tokens", "3,37",
+                     "--module", str(path)]) == 0
