@@ -63,9 +63,9 @@ def test_a_k_blocked_module_refuses_other_weights_by_name(blocked_module, weight
         blocked_module.fused_experts(x, p13, p13, w, ids)
     with pytest.raises(ValueError, match="w13 must be contiguous"):
         blocked_module.fused_experts(x, p13.transpose(2, 3).contiguous().transpose(2, 3), p2, w, ids)
-    odd = torch.zeros(4, 128, 96, dtype=weights[0].dtype, device=DEVICE)
+    odd13, odd2 = (torch.zeros(*shape, dtype=weights[0].dtype, device=DEVICE) for shape in ((4, 128, 96), (4, 96, 64)))
     with pytest.raises(ValueError, match="w13: its last dimension \\(96\\) must be a multiple of 64"):
-        blocked_module.prepare_weights(odd, weights[1])
+        blocked_module.prepare_weights(odd13, odd2)
     with pytest.raises(ValueError, match="must be \\[E, 2I, H\\] and \\[E, H, I\\]"):
         blocked_module.prepare_weights(weights[0], weights[0])
 
