@@ -160,3 +160,28 @@ def test_emit_takes_every_row_from_one_layout(tmp_path):
 
     assert cli.main(["check", "--shape", "4,128,64,2", "--dtype", "float16", "--tokens", "3,37",
                      "--module", str(path)]) == 0
+
+
+def test_a_routing_adaptive_row_reads_one_layout_on_both_sides(weights):
+    """Both sides of a hot-split row read the prepared copy: bit for bit the row-major module's output."""
+    cold, hot = small_variant(bk=64), small_variant("split", block_m=64, bk=64)
+    rows = render.load_source(render.render_module([render.Row(math.inf, cold, hot, 32)], "hot split", []))
+    blocked = render.load_source(render.render_module([render.Row(math.inf, _k64(cold), _k64(hot), 32)],
+                                                      "hot split k64", []))
+    x, w, ids = make_tokens(Case(SHAPE, 60, seed=9), DEVICE)
+    ids[:40, 0] = 1  # one expert routed 40 rows: the hot side runs it
+    out = blocked.fused_experts(x, *blocked.prepare_weights(*weights), w, ids)
+    assert torch.equal(out, rows.fused_experts(x, *weights, w, ids))
+    with pytest.raises(ValueError, match="one layout"):
+        render.render_module([render.Row(math.inf, cold, _k64(hot), 32)], "mixed", [])
+
+
+def test_torch_compile_passes_the_prepared_weights_through(weights):
+    """Under torch.compile the k64 module is one opaque operator; its traced check accepts the
+    prepared copy (fake tensors) and the result is the eager call's."""
+    module = render.load_source(render.render_module([render.Row(math.inf, _k64(small_variant(bk=64)))],
+                                                     "compile k64", [], op_name="compile_k64_test"))
+    prepared = module.prepare_weights(*weights)
+    x, w, ids = make_tokens(Case(SHAPE, 5, seed=3), DEVICE)
+    layer = lambda x: module.fused_experts(x * 2, *prepared, w, ids) + x  # noqa: E731
+    assert torch.equal(torch.compile(layer, fullgraph=True, backend="aot_eager")(x), layer(x))
