@@ -10,6 +10,7 @@ import textwrap
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 from sqlalchemy.orm import Session
 
@@ -141,27 +142,45 @@ def _mean_sol(trials: list[db.Trial]) -> float:
     return sum(t.floor_ms / t.median_ms for t in trials) / len(trials)
 
 
+class LayoutChoice(NamedTuple):
+    """The weight layout a module reads, each case's leader in it (by case key), and, when "auto"
+    weighed layouts against each other, a sentence for the module's header saying how and what the
+    choice costs (empty otherwise)."""
+    name: str
+    best: dict[str, db.Trial]
+    why: str = ""
+
+
 def choose_layout(session: Session, fingerprint: str, cases: list[Case], layout: str = "auto",
-                  log=lambda m: None) -> tuple[str, dict[str, db.Trial]]:
-    """The weight layout a module of `cases` reads, and each case's leader in it (by case key). A
-    module takes one layout (render_module), so its rows all come from one. "auto" takes, of the
-    layouts with a leader for every case that has one at all, the one whose leaders' mean %SOL at
-    tuning time is highest (the bench's measure; each case's leaders were timed in its runs); a named
-    layout takes that one's leaders, and a case without one is left to the nearest row."""
+                  log=lambda m: None) -> LayoutChoice:
+    """The weight layout a module of `cases` reads (`LayoutChoice`). A module takes one layout
+    (render_module), so its rows all come from one. "auto" takes, of the layouts with a leader for
+    every case that has one at all, the one whose leaders' mean %SOL at tuning time is highest (the
+    bench's measure; each case's leaders were timed in its runs), and names the cases where another
+    layout's leader was faster: the price of one layout a module. A named layout takes that one's
+    leaders, and a case without one is left to the nearest row."""
     by_layout = {name: {c.key: t for c in cases if (t := leader(session, fingerprint, c, name)) is not None}
                  for name in WEIGHT_LAYOUTS[1:]}
     if layout != "auto":
-        return layout, by_layout[layout]
+        return LayoutChoice(layout, by_layout[layout])
     tuned = {key for best in by_layout.values() for key in best}
     full = {name: best for name, best in by_layout.items() if best.keys() == tuned and tuned}
     if len(full) < 2 or any(not t.floor_ms for best in full.values() for t in best.values()):
         name = "rows" if "rows" in full or not full else next(iter(full))
-        return name, by_layout[name]
+        return LayoutChoice(name, by_layout[name])
     sol = {name: _mean_sol(list(best.values())) for name, best in full.items()}
     name = max(sol, key=sol.get)
-    log("weight layout: " + ", ".join(f"{n} {100 * v:.1f}% mean SOL at tuning time" for n, v in sol.items())
-        + f" over {len(tuned)} cases -> {name}")
-    return name, full[name]
+    why = (f"Chosen by mean %SOL at tuning time over {len(tuned)} cases: "
+           + ", ".join(f"{n} {100 * v:.1f}%" for n, v in sol.items()) + ".")
+    for other in (n for n in full if n != name):
+        faster = [(c.T, full[other][c.key].median_ms / full[name][c.key].median_ms)
+                  for c in sorted(cases, key=lambda c: c.T)
+                  if c.key in tuned and full[other][c.key].median_ms < full[name][c.key].median_ms]
+        if faster:
+            why += (f" The {other} layout's leader was faster at T = "
+                    + ", ".join(f"{T} (x{ratio:.3f} of the time)" for T, ratio in faster) + ".")
+    log(f"weight layout {name}: {why}")
+    return LayoutChoice(name, full[name], why)
 
 
 def contenders(session: Session, fingerprint: str, case: Case, n: int) -> list[db.Trial]:
@@ -228,7 +247,7 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
         raise ValueError(f"--name must be a Python identifier (the module's import name, without .py), got {name!r}")
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got {weight_layout!r}")
-    weight_layout, best = choose_layout(session, fingerprint, cases, weight_layout, log)
+    weight_layout, best, layout_why = choose_layout(session, fingerprint, cases, weight_layout, log)
     tuned = sorted((c for c in cases if c.key in best), key=lambda c: c.T)
     if not tuned:
         held = ", ".join(db.fingerprints(session)) or "none"
@@ -282,6 +301,7 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
         header.append(f"Not tuned (served by the nearest row): T = {', '.join(map(str, missing))}.")
     if weight_layout != "rows":
         header.append(f"Weight layout: {weight_layout}; pass the weights through prepare_weights once (see below).")
+    header += textwrap.wrap(layout_why, 100)
     path = module_path(fingerprint, shape.key, out_dir, name)
     gpu = _tuned_gpu(run.gpu, run.capability, tuned[0])
     graphed, why = graph_tokens([(c.T, r.max_tokens, best[c.key].median_ms) for c, r in zip(tuned, rows, strict=True)])

@@ -140,9 +140,10 @@ def test_emit_takes_every_row_from_one_layout(tmp_path):
         _record(s, run, fp, cases[1], rows_v, 2.0)
         assert emit.choose_layout(s, fp.key, cases)[0] == "rows"  # T=37 has no k64 trial
         _record(s, run, fp, cases[1], k64_v, 2.1)  # mean SOL: rows (1 + 0.5) / 2, k64 (1/0.9 + 1/2.1) / 2
-        layout, best = emit.choose_layout(s, fp.key, cases, log=said.append)
+        layout, best, why = emit.choose_layout(s, fp.key, cases, log=said.append)
         assert layout == "k64" and {t.label for t in best.values()} == {k64_v.label}
-        assert "k64 79.4% mean SOL" in said[0] and "rows 75.0%" in said[0]
+        assert why == ("Chosen by mean %SOL at tuning time over 2 cases: rows 75.0%, k64 79.4%. The rows "
+                       "layout's leader was faster at T = 37 (x0.952 of the time).") and why in said[0]
         forced = emit.emit(s, fp.key, cases, "forced_rows", tmp_path, weight_layout="rows").read_text()
         path = emit.emit(s, fp.key, cases, "auto_k64", tmp_path)
         with pytest.raises(ValueError, match="weight_layout must be one of auto, rows, k64"):
@@ -150,6 +151,8 @@ def test_emit_takes_every_row_from_one_layout(tmp_path):
     assert "def prepare_weights" not in forced
     text = path.read_text()
     assert "Weight layout: k64" in text and "def prepare_weights" in text
+    assert "layout's leader was faster at T = 37" in " ".join(text.split())  # what one layout a module cost
+    assert "Chosen by mean %SOL" not in forced  # a named layout weighs nothing
     module = render.load_path(path)
     result = bench.run_bench(module.fused_experts, cases[:1], peers=False, reps=1, warmup=0,
                              prepare_weights=module.prepare_weights,
