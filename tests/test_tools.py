@@ -23,6 +23,14 @@ def test_ab_times_the_leader_then_each_new_accepted_variant(capsys):
     assert "g1_tma_store=True: rejected" in capsys.readouterr().out
 
 
+def test_ab_rotates_the_turns_over_the_rounds():
+    """Every variant takes every turn equally often over len(names) rounds: no fixed second place."""
+    names = ["leader", "a", "b"]
+    orders = [ab.turns(names, r) for r in range(6)]
+    assert orders[:3] == [["leader", "a", "b"], ["a", "b", "leader"], ["b", "leader", "a"]] and orders[3] == names
+    assert all(sorted(o) == sorted(names) for o in orders) and ab.turns([], 2) == []
+
+
 @pytest.mark.skipif(ab.target.has_gpu(), reason="it times on this GPU instead")
 def test_ab_refuses_to_run_without_a_gpu(capsys):
     assert ab.main(["64"]) == 1
