@@ -54,6 +54,25 @@ def test_prepare_weights_blocks_k(blocked_module, weights):
     assert torch.equal(p2[3, 0, 100], w2[3, 100, :64])
 
 
+def test_prepare_weights_in_place_rewrites_the_storage(blocked_module, weights):
+    """in_place: the same k-blocked tensors as the copy, in the inputs' own storage; a strided input
+    is refused by name before anything is written."""
+    copy13, copy2 = blocked_module.prepare_weights(*weights)
+    w13, w2 = (w.clone() for w in weights)
+    ptrs = (w13.data_ptr(), w2.data_ptr())
+    p13, p2 = blocked_module.prepare_weights(w13, w2, in_place=True)
+    assert torch.equal(p13, copy13) and torch.equal(p2, copy2) and p13.is_contiguous()
+    assert (p13.data_ptr(), p2.data_ptr()) == ptrs
+    x, w, ids = make_tokens(Case(SHAPE, 9, seed=4), DEVICE)
+    assert torch.equal(blocked_module.fused_experts(x, p13, p2, w, ids),
+                       blocked_module.fused_experts(x, copy13, copy2, w, ids))
+    strided13 = weights[0].clone().transpose(1, 2).contiguous().transpose(1, 2)
+    before = strided13.clone()
+    with pytest.raises(ValueError, match="w13: in_place rewrites a contiguous tensor"):
+        blocked_module.prepare_weights(strided13, weights[1].clone(), in_place=True)
+    assert torch.equal(strided13, before)
+
+
 def test_a_k_blocked_module_refuses_other_weights_by_name(blocked_module, weights):
     x, w, ids = make_tokens(Case(SHAPE, 5), DEVICE)
     with pytest.raises(ValueError, match=r"w13 is \[E, N, K\].*prepare_weights"):

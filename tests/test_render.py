@@ -73,6 +73,18 @@ def test_gluon_half_dynamic_module_passes_ruff(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
+def test_k_blocked_module_passes_ruff(tmp_path):
+    """A weight_layout=k64 module renders prepare_weights and its own weight checks, which no row-major
+    module has."""
+    v = dataclasses.replace(small_variant(tma=True), g1_block_k=64, g2_block_k=64, weight_layout="k64")
+    path = tmp_path / "k_blocked.py"
+    path.write_text(render.render_variant(v))
+    assert "def prepare_weights(w13, w2, in_place=False)" in path.read_text()
+    result = _ruff(path)
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
 def test_committed_modules_pass_ruff():
     for path in sorted((Path(__file__).resolve().parent.parent / "kernels_generated").glob("*.py")):
         result = _ruff(path)
