@@ -66,6 +66,9 @@ def test_prepare_weights_in_place_rewrites_the_storage(blocked_module, weights):
     x, w, ids = make_tokens(Case(SHAPE, 9, seed=4), DEVICE)
     assert torch.equal(blocked_module.fused_experts(x, p13, p2, w, ids),
                        blocked_module.fused_experts(x, copy13, copy2, w, ids))
+    params = [torch.nn.Parameter(w.clone()) for w in weights]  # as a model holds them: requiring grad
+    p13, p2 = blocked_module.prepare_weights(*params, in_place=True)
+    assert torch.equal(p13, copy13) and not p13.requires_grad
     strided13 = weights[0].clone().transpose(1, 2).contiguous().transpose(1, 2)
     before = strided13.clone()
     with pytest.raises(ValueError, match="w13: in_place rewrites a contiguous tensor"):
