@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The seed16 re-tune on a GPU lent by the call (a fixed time per command, nothing kept between
+# machines): two stages, each one command, the tuning database carried from the first to the second.
+#
+#   bash tools/lent_gpu.sh tune     # probes over the 16 tokens, the zipf partners, extra probes
+#   bash tools/lent_gpu.sh finish   # emit (auto layout, zipf hot rows), check, bench with the PNG
+#
+# Environment: OUT (a folder the results are copied to, e.g. the lender's $OUT: the database under
+# db/, the module, its bench JSON and PNG under km/), BUDGET (seconds the stage may take; default
+# 520 for tune, 560 for finish), TL1 and TL2 (the tuner's seconds for the uniform and the zipf
+# sweeps), PROBE (each token's probe, `--probe` syntax; default weight_layout=k64), EXTRA_T and
+# EXTRA_PROBES (one token count and its further probes, `;`-separated, tuned with what time is left),
+# BTL (the bench's seconds). Wheels in ./.whl (optuna, SQLAlchemy and their dependencies; ./.whl/plot
+# for matplotlib) are installed first where the machine lacks them and has no network.
+set -u
+stage=${1:?usage: lent_gpu.sh tune|finish}
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/lent}
+mkdir -p "$OUT"
+site=/tmp/moe-tune-site
+if ! python3 -c 'import optuna, sqlalchemy' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl || exit 1
+fi
+if ! PYTHONPATH=$site python3 -c 'import matplotlib' 2>/dev/null && ls .whl/plot/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $site .whl/plot/*.whl || true
+fi
+export PYTHONPATH=$PWD:$site:${PYTHONPATH:-}
+t0=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+# `moe-tune` without installing the package (the lent machine may have no build tools), under a limit.
+mt() { local limit=$1; shift; timeout "$limit" python3 -c 'import sys; from autotune.cli import main; sys.exit(main())' "$@"; }
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+module=kernels_generated/h200_sm90_e256_h4096_i2048_k8_bfloat16
+
+case $stage in
+tune)
+  BUDGET=${BUDGET:-520}; TL1=${TL1:-285}; TL2=${TL2:-90}; PROBE=${PROBE:-weight_layout=k64}
+  mkdir -p "$OUT/db"
+  save() { cp db/moe_tune.sqlite3 "$OUT/db/"; }
+  trap save EXIT
+  mt $((TL1 + 30)) tune --tokens 2048,1024,4096,8192,512,256,16384,32768,128,64,32,16,8,4,2,1 \
+    --more 0 --retime 1 --probe "$PROBE" --time-budget "$TL1" 2>&1 | tail -60
+  save
+  mt $((TL2 + 30)) tune --routing zipf --tokens 1024,512,256,128,64 \
+    --more 0 --retime 1 --probe "$PROBE" --time-budget "$TL2" 2>&1 | tail -30
+  save
+  spare=$(( $(left) - 20 ))
+  if [ -n "${EXTRA_T:-}" ] && [ "$spare" -gt 40 ]; then
+    probes=()
+    IFS=';' read -ra extra <<< "${EXTRA_PROBES:-}"
+    for p in "${extra[@]}"; do probes+=(--probe "$p"); done
+    mt "$spare" tune --tokens "$EXTRA_T" --more 0 --time-budget $((spare - 15)) "${probes[@]}" 2>&1 | tail -30
+  fi
+  mt 60 show 2>&1 | tail -60
+  ;;
+finish)
+  BUDGET=${BUDGET:-560}; BTL=${BTL:-330}
+  mkdir -p "$OUT/km"
+  mt 120 emit --hot-routing zipf 2>&1 | tail -40
+  cp $module.py "$OUT/km/"
+  mt 200 check 2>&1 | tail -30
+  mt "$BTL" bench --png $module.bench.png 2>&1 | tail -60
+  cp $module.bench.* "$OUT/km/"
+  ;;
+*)
+  echo "unknown stage: $stage (tune or finish)" >&2; exit 2 ;;
+esac
