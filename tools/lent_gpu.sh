@@ -6,8 +6,8 @@
 #   bash tools/lent_gpu.sh finish   # emit (auto layout, zipf hot rows), check, bench with the PNG
 #
 # Environment: OUT (a folder the results are copied to, e.g. the lender's $OUT: the database under
-# db/, the module, its bench JSON and PNG under km/), BUDGET (seconds the stage may take; default
-# 520 for tune, 560 for finish), TL1 and TL2 (the tuner's seconds for the uniform and the zipf
+# db/, the module, its bench JSON and PNG under km/), BUDGET (seconds the tune stage may take,
+# default 520: what is left after the sweeps goes to EXTRA_T), TL1 and TL2 (the tuner's seconds for the uniform and the zipf
 # sweeps), PROBE (each token's probe, `--probe` syntax; default weight_layout=k64), EXTRA_T and
 # EXTRA_PROBES (one token count and its further probes, `;`-separated, tuned with what time is left),
 # BTL (the bench's seconds). Wheels in ./.whl (optuna, SQLAlchemy and their dependencies; ./.whl/plot
@@ -54,7 +54,7 @@ tune)
   mt 60 show 2>&1 | tail -60
   ;;
 finish)
-  BUDGET=${BUDGET:-560}; BTL=${BTL:-330}
+  BTL=${BTL:-330}
   mkdir -p "$OUT/km"
   mt 120 emit --hot-routing zipf 2>&1 | tail -40
   cp $module.py "$OUT/km/"
