@@ -5,8 +5,8 @@
 #   bash tools/lent_gpu.sh tune     # probes over the 16 tokens, the zipf partners, extra probes
 #   bash tools/lent_gpu.sh finish   # emit (auto layout, zipf hot rows), bench with the PNG, check
 #
-# Environment: OUT (a folder the results are copied to, e.g. the lender's $OUT: the database under
-# db/, the module, its bench JSON and PNG under km/), BUDGET (seconds the tune stage may take,
+# Environment: OUT (a folder the results are copied to, e.g. the lender's $OUT: the database gzipped
+# under db/, the module, its bench JSON and PNG under km/), BUDGET (seconds the tune stage may take,
 # default 520: what is left after the sweeps goes to EXTRA_T), TL1 and TL2 (the tuner's seconds for the uniform and the zipf
 # sweeps), PROBE (each token's probe, `--probe` syntax; default weight_layout=k64), EXTRA_T and
 # EXTRA_PROBES (one token count and its further probes, `;`-separated, tuned with what time is left),
@@ -36,7 +36,8 @@ case $stage in
 tune)
   BUDGET=${BUDGET:-520}; TL1=${TL1:-285}; TL2=${TL2:-90}; PROBE=${PROBE:-weight_layout=k64}
   mkdir -p "$OUT/db"
-  save() { cp db/moe_tune.sqlite3 "$OUT/db/"; }
+  # Gzipped: the database outgrew what a lender brings back of one file (16 MiB each; the database is past 17 MB).
+  save() { gzip -c db/moe_tune.sqlite3 > "$OUT/db/moe_tune.sqlite3.gz"; }
   trap save EXIT
   mt $((TL1 + 30)) tune --tokens 2048,1024,4096,8192,512,256,16384,32768,128,64,32,16,8,4,2,1 \
     --more 0 --retime 1 --probe "$PROBE" --time-budget "$TL1" 2>&1 | tail -60
