@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The seed16 re-tune on a GPU lent by the call (a fixed time per command, nothing kept between
-# machines): two stages, each one command, the tuning database carried from the first to the second.
+# machines): two stages, each one command, the tuning database carried from the first to the second,
+# or both in one command.
 #
 #   bash tools/lent_gpu.sh tune     # probes over the 16 tokens, the zipf partners, extra probes
 #   bash tools/lent_gpu.sh finish   # emit (auto layout, zipf hot rows), bench with the PNG, check
+#   bash tools/lent_gpu.sh all      # both, sized for one call of under 600 s
 #
 # Environment: OUT (a folder the results are copied to, e.g. the lender's $OUT: the database gzipped
 # under db/, the module, its bench JSON and PNG under km/), BUDGET (seconds the tune stage may take,
@@ -13,8 +15,10 @@
 # BTL and CTL (the bench's and the check's seconds). Wheels in ./.whl (optuna, SQLAlchemy and their dependencies; ./.whl/plot
 # for matplotlib) are installed first where the machine lacks them and has no network.
 set -u
-stage=${1:?usage: lent_gpu.sh tune|finish}
-cd "$(dirname "$0")/.."
+stage=${1:?usage: lent_gpu.sh tune|finish|all}
+case $stage in tune|finish|all) ;; *) echo "unknown stage: $stage (tune, finish or all)" >&2; exit 2 ;; esac
+self=$(realpath "$0")
+cd "$(dirname "$self")/.."
 OUT=${OUT:-results/lent}
 mkdir -p "$OUT"
 site=/tmp/moe-tune-site
@@ -64,6 +68,10 @@ finish)
   cp $module.bench.* "$OUT/km/"
   mt "$CTL" check 2>&1 | tail -30
   ;;
-*)
-  echo "unknown stage: $stage (tune or finish)" >&2; exit 2 ;;
+all)
+  # Both stages in one call (one start): on a fresh H100 the finish stage took ~115 s (bench 102 s,
+  # check 12 s) and the tune stage its sweeps' seconds plus ~35 s, so these defaults end in ~470 s.
+  OUT=$OUT BUDGET=${BUDGET:-330} TL1=${TL1:-240} TL2=${TL2:-55} bash "$self" tune
+  OUT=$OUT BTL=${BTL:-200} CTL=${CTL:-60} bash "$self" finish
+  ;;
 esac
