@@ -1,6 +1,11 @@
-"""tools/ab.py, same_ptx.py, padding.py, host.py and weight_stream.py, as far as they run without a GPU."""
+"""tools/ab.py, same_ptx.py, padding.py, host.py, weight_stream.py and lent_gpu.sh, as far as they run without a
+GPU."""
 
+import gzip
 import importlib.util
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -191,3 +196,67 @@ def test_weight_stream_parses_boxes_and_names_a_bad_one():
 def test_weight_stream_refuses_to_run_without_a_gpu(capsys):
     assert weight_stream.main([]) == 1
     assert "GPU" in capsys.readouterr().out
+
+
+_LENDER_FILE_LIMIT = 16 * 2**20  # the most a lent GPU machine brings back of one file under $OUT
+_MODULE = "kernels_generated/h200_sm90_e256_h4096_i2048_k8_bfloat16"
+
+
+def _stub_machine(tmp_path: Path) -> tuple[Path, dict]:
+    """A copy of the repository's files that tools/lent_gpu.sh touches, and an environment whose
+    nvidia-smi and python3 are stand-ins: python3 logs each moe-tune command it is asked to run and
+    writes what emit and bench would (the module; its bench JSON and PNG)."""
+    root = Path(__file__).resolve().parent.parent
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    (repo / "db").mkdir()
+    (repo / "kernels_generated").mkdir()
+    shutil.copy(root / "tools" / "lent_gpu.sh", repo / "tools")
+    shutil.copy(root / "db" / "moe_tune.sqlite3", repo / "db")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        "nvidia-smi": "#!/bin/sh\necho 'stand-in GPU, 700.00 W, 1980 MHz'\n",
+        "python3": f"""#!/bin/sh
+shift; code=$1; shift
+case "$code" in *autotune.cli*) ;; *) exit 0 ;; esac
+echo "$*" >> {tmp_path}/calls
+case "$1" in
+  emit) echo module > {_MODULE}.py ;;
+  bench) echo '{{}}' > {_MODULE}.bench.json; echo png > {_MODULE}.bench.png ;;
+esac
+""",
+    }
+    for name, text in stubs.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    return repo, env
+
+
+@pytest.mark.skipif(not (shutil.which("bash") and shutil.which("gzip")), reason="needs bash and gzip")
+def test_lent_gpu_all_tunes_then_finishes_and_brings_back_what_a_lender_can(tmp_path):
+    repo, env = _stub_machine(tmp_path)
+    done = subprocess.run(["bash", str(repo / "tools" / "lent_gpu.sh"), "all"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["tune", "tune", "show", "emit", "bench", "check"]
+    assert "--probe weight_layout=k64" in calls[0] and "--routing zipf" in calls[1]
+    assert calls[3] == "emit --hot-routing zipf" and calls[4] == f"bench --png {_MODULE}.bench.png"
+    out = tmp_path / "out"
+    packed = out / "db" / "moe_tune.sqlite3.gz"
+    assert packed.stat().st_size < _LENDER_FILE_LIMIT
+    assert gzip.decompress(packed.read_bytes()) == (repo / "db" / "moe_tune.sqlite3").read_bytes()
+    name = Path(_MODULE).name
+    assert {p.name for p in (out / "km").iterdir()} == {f"{name}.py", f"{name}.bench.json", f"{name}.bench.png"}
+    assert all(p.stat().st_size < _LENDER_FILE_LIMIT for p in out.rglob("*") if p.is_file())
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
+def test_lent_gpu_names_an_unknown_stage_before_it_installs_anything(tmp_path):
+    repo, env = _stub_machine(tmp_path)
+    done = subprocess.run(["bash", str(repo / "tools" / "lent_gpu.sh"), "tunes"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "unknown stage: tunes" in done.stderr
+    assert not (tmp_path / "calls").exists() and not (tmp_path / "out").exists()
