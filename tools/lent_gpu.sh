@@ -17,8 +17,7 @@
 set -u
 stage=${1:?usage: lent_gpu.sh tune|finish|all}
 case $stage in tune|finish|all) ;; *) echo "unknown stage: $stage (tune, finish or all)" >&2; exit 2 ;; esac
-self=$(realpath "$0")
-cd "$(dirname "$self")/.."
+cd "$(dirname "$(realpath "$0")")/.."
 OUT=${OUT:-results/lent}
 mkdir -p "$OUT"
 site=/tmp/moe-tune-site
@@ -36,8 +35,7 @@ mt() { local limit=$1; shift; timeout "$limit" python3 -c 'import sys; from auto
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 module=kernels_generated/h200_sm90_e256_h4096_i2048_k8_bfloat16
 
-case $stage in
-tune)
+tune_stage() {
   BUDGET=${BUDGET:-520}; TL1=${TL1:-285}; TL2=${TL2:-90}; PROBE=${PROBE:-weight_layout=k64}
   mkdir -p "$OUT/db"
   # Gzipped: the database outgrew what a lender brings back of one file (16 MiB each; the database is past 17 MB).
@@ -57,8 +55,9 @@ tune)
     mt "$spare" tune --tokens "$EXTRA_T" --more 0 --time-budget $((spare - 15)) "${probes[@]}" 2>&1 | tail -30
   fi
   mt 60 show 2>&1 | tail -60
-  ;;
-finish)
+}
+
+finish_stage() {
   BTL=${BTL:-330}; CTL=${CTL:-200}
   mkdir -p "$OUT/km"
   mt 120 emit --hot-routing zipf 2>&1 | tail -40
@@ -67,11 +66,16 @@ finish)
   mt "$BTL" bench --png $module.bench.png 2>&1 | tail -60
   cp $module.bench.* "$OUT/km/"
   mt "$CTL" check 2>&1 | tail -30
-  ;;
+}
+
+case $stage in
+tune) tune_stage ;;
+finish) finish_stage ;;
 all)
   # Both stages in one call (one start): on a fresh H100 the finish stage took ~115 s (bench 102 s,
   # check 12 s) and the tune stage its sweeps' seconds plus ~35 s, so these defaults end in ~470 s.
-  OUT=$OUT BUDGET=${BUDGET:-330} TL1=${TL1:-240} TL2=${TL2:-55} bash "$self" tune
-  OUT=$OUT BTL=${BTL:-200} CTL=${CTL:-60} bash "$self" finish
+  BUDGET=${BUDGET:-330}; TL1=${TL1:-240}; TL2=${TL2:-55}; BTL=${BTL:-200}; CTL=${CTL:-60}
+  tune_stage
+  finish_stage
   ;;
 esac
