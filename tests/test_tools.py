@@ -260,3 +260,36 @@ def test_lent_gpu_names_an_unknown_stage_before_it_installs_anything(tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "unknown stage: tunes" in done.stderr
     assert not (tmp_path / "calls").exists() and not (tmp_path / "out").exists()
+
+
+_spec_dram = importlib.util.spec_from_file_location("dram", Path(__file__).resolve().parent.parent / "tools" / "dram.py")
+dram = importlib.util.module_from_spec(_spec_dram)
+_spec_dram.loader.exec_module(dram)
+
+
+def test_dram_least_bytes_are_the_weights_once_and_the_tokens():
+    least = dram.least_bytes(8192)
+    assert least["w13"] == 256 * 2 * 2048 * 4096 * 2 and least["w2"] == least["w13"] // 2
+    assert least["x"] == least["out"] == 8192 * 4096 * 2
+
+
+def test_dram_sums_each_kernel_of_ncus_csv(tmp_path, capsys):
+    head = '"ID","Process ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    rows = [(0, "_gemm1_x", "dram__bytes_read.sum", "9,000,000,000"), (0, "_gemm1_x", "dram__bytes_write.sum", "1000"),
+            (0, "_gemm1_x", "gpu__time_duration.sum", "3000000"), (1, "_gemm2_y", "dram__bytes_read.sum", "4500000000"),
+            (1, "_gemm2_y", "gpu__time_duration.sum", "1500000")]
+    text = "==PROF== Connected to process\n" + head + "\n" + "\n".join(
+        f'"{i}","7","{name}","{metric}","byte","{value}"' for i, name, metric, value in rows) + "\n"
+    (tmp_path / "ncu.csv").write_text(text)
+    assert dram.main(["--csv", str(tmp_path / "ncu.csv")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "_gemm1_x" in out[0] and "3000.0 us" in out[0] and "read   9.000 GB" in out[0] and "3.00 TB/s" in out[0]
+    assert "_gemm2_y" in out[1] and "write   0.000 GB" in out[1]
+    assert out[2].startswith("sum") and "4500.0 us" in out[2] and "read  13.500 GB" in out[2]
+
+
+@pytest.mark.skipif(dram.target.has_gpu(), reason="it profiles on this GPU instead")
+def test_dram_refuses_to_run_without_a_gpu_and_needs_its_tokens(capsys):
+    assert dram.main(["8192"]) == 1
+    assert "GPU" in capsys.readouterr().out
+    assert dram.main([]) == 2
