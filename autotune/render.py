@@ -173,6 +173,8 @@ def render_module(rows: list[Row], title: str, header: list[str], tuned_gpu: Tun
         g2_gluon_half=any(r.v.g2_gluon and r.v.half_tail for r in rows),
         g1_gluon_pair=any(r.v.g1_gluon and r.v.g1_pair_tail for r in rows),
         gluon_dynamic=any(r.v.dynamic_walk and (r.v.g1_gluon or r.v.g2_gluon) for r in rows),
+        # GEMM walks grouped within experts (negative GROUP_M): dispatch writes each block's expert span.
+        expert_groups=any(r.v.group_by_expert for r in rows),
         any_gluon=gluon_gemm1 or gluon_gemm2,
         any_tma=any(r.v.g1_weight_tma or r.v.g2_weight_tma for r in rows),
         # The Gluon GEMMs are persistent by construction: their grids need the SM count too.

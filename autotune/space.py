@@ -177,6 +177,12 @@ PARAMS: tuple[Param, ...] = (
           "reduction), so that each [BLOCK_N, 64] weight box is one contiguous run instead of BLOCK_N runs of "
           "128 bytes. A module reads one layout: emit takes every row from one of them",
           default="rows", when=_k_blocked_can_run),
+    Param("group_by_expert", (False, True),
+          "both GEMMs' swizzle groups stop at expert boundaries: an expert's row blocks (up to g*_group_m of "
+          "them a group) take each weight tile together, instead of groups of g*_group_m consecutive blocks "
+          "that split an expert between two groups, whose second reads the expert's weights from DRAM again "
+          "(NOTES 88: 1.33x the weights' bytes at T=8192). Dispatch writes each block's expert span for it",
+          default=False, when=lambda v, case: not (v["direct"] or v["half_tail"])),
     Param("permute_by_token", (False, True),
           "split dispatch's permutation walks tokens: each program reads a token row once and writes it to its "
           "k expert-order positions (dispatch also writes each slot's position), instead of each row block "
@@ -233,6 +239,7 @@ class Variant:
     g2_swap_tail: int = 0
     permute_by_token: bool = False
     weight_layout: str = "rows"
+    group_by_expert: bool = False
 
     @property
     def route(self) -> str:
@@ -260,7 +267,9 @@ class Variant:
         p = f"g{which}_"
         return {
             "BLOCK_N": getattr(self, p + "block_n"), "BLOCK_K": getattr(self, p + "block_k"),
-            "GROUP_M": getattr(self, p + "group_m"), "num_warps": getattr(self, p + "num_warps"),
+            # Negative: groups of up to -GROUP_M row blocks within one expert (group_by_expert).
+            "GROUP_M": getattr(self, p + "group_m") * (-1 if self.group_by_expert else 1),
+            "num_warps": getattr(self, p + "num_warps"),
             "num_stages": getattr(self, p + "num_stages"), "weight_tma": getattr(self, p + "weight_tma"),
             "persistent": getattr(self, p + "persistent"),
         }
@@ -276,17 +285,20 @@ class Variant:
     @property
     def label(self) -> str:
         g1, g2 = self.gemm(1), self.gemm(2)
+        def group(g):  # G8, or E8 for groups of up to 8 blocks within one expert
+            return f"E{-g['GROUP_M']}" if g["GROUP_M"] < 0 else f"G{g['GROUP_M']}"
+
         def gemm(g, pair: bool, swap: int):
             tma = " tma" if g["weight_tma"] else ""
             persistent = " persistent" if g["persistent"] else ""
-            return (f"{g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} w{g['num_warps']} s{g['num_stages']}"
+            return (f"{g['BLOCK_N']}x{g['BLOCK_K']} {group(g)} w{g['num_warps']} s{g['num_stages']}"
                     f"{tma}{persistent}{' pair' if pair else ''}{f' swap{swap}' if swap else ''}")
 
         pdl = " pdl" if self.pdl else ""
         half = ("/half+walk" if self.tail_walk else "/half") if self.half_tail else ""
         # A Gluon GEMM is TMA-fed, persistent and a warpgroup per 64 rows by construction.
         def gluon(g, store=""):
-            return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} G{g['GROUP_M']} s{g['num_stages']}{store}"
+            return f"gluon {g['BLOCK_N']}x{g['BLOCK_K']} {group(g)} s{g['num_stages']}{store}"
 
         g1_text = (gluon(g1, " tma-store" if self.g1_tma_store else "") if self.g1_gluon
                    else gemm(g1, self.g1_pair_tail, self.g1_swap_tail))
@@ -415,6 +427,9 @@ def violations(v: Variant, case: Case) -> list[str]:
             elif g["BLOCK_K"] % K_BLOCK:
                 bad.append(f"weight_layout=k64 steps through whole {K_BLOCK}-column blocks: g{which}_block_k must be "
                            f"a multiple of {K_BLOCK}")
+    if v.group_by_expert and (v.direct or v.half_tail):
+        bad.append("group_by_expert groups an expert's row blocks: not with direct dispatch (no blocks) or half "
+                   "tails (their walks and pairs keep the plain groups)")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()

@@ -2,9 +2,12 @@
 the dispatch outputs exactly against torch, and the edge cases of REFERENCE.md."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import DEVICE, DTYPES, FORMS, small_variant
 
 from autotune import render
@@ -145,6 +148,81 @@ def test_dispatch_walk_lists(form_modules, E, T, k, block_m):
     full, tail = (t.cpu() for t in lists)
     assert torch.equal(full[:want_full.numel()], want_full)
     assert torch.equal(tail[:want_tail.numel()], want_tail)
+
+
+# group_by_expert over the GEMM forms it applies to (not direct, not half tails): plain and persistent
+# walks, pointer and TMA rows, each with groups of one block and of up to four within an expert.
+EXPERT_GROUP_FORMS = [("fused", "fused", False, False), ("fused", "split", False, True),
+                      ("split", "fused", True, True), ("split", "split", True, False)]
+
+
+@functools.cache
+def expert_group_module(form, group_m):
+    v = dataclasses.replace(small_variant(*form, group_m=group_m), group_by_expert=True)
+    return render.load_source(render.render_variant(v))
+
+
+_walk_module = None  # the module whose _expert_coords _expert_walk_kernel calls
+
+
+@pytest.mark.parametrize("E, T, k, block_m", [(8, 1, 2, 16), (5, 300, 3, 16), (40, 3000, 3, 64), (300, 100, 4, 16)])
+def test_dispatch_writes_each_blocks_expert_span(E, T, k, block_m):
+    """With spans, num_blocks[4 + 2b] and [5 + 2b] hold block b's expert's first block and block count;
+    a block past the last used one spans itself alone."""
+    gen = torch.Generator().manual_seed(E * T + 3)
+    ids = torch.randint(-1, E + 2, (T, k), generator=gen)
+    module = expert_group_module(EXPERT_GROUP_FORMS[0], 4)
+    _, block_expert, _, num_blocks = module.dispatch(ids.to(DEVICE), E, block_m, spans=True)
+    want_expert, _, _ = torch_dispatch(ids, E, block_m)
+    n, max_blocks = want_expert.numel(), block_expert.numel()
+    spans = num_blocks.cpu()[4:4 + 2 * max_blocks].view(-1, 2)
+    assert int(num_blocks[0]) == n and spans.shape[0] == max_blocks
+    for b in range(max_blocks):
+        if b < n:
+            mine = (want_expert == want_expert[b]).nonzero().view(-1)
+            assert spans[b].tolist() == [int(mine[0]), mine.numel()], f"block {b}"
+        else:
+            assert spans[b].tolist() == [b, 1], f"block {b}"
+
+
+@triton.jit
+def _expert_walk_kernel(num_blocks_ptr, out_ptr, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Each tile's (row block, column tile) under the walk of the module under test (_walk_module)."""
+    tile = tl.program_id(0)
+    pid_m, pid_n = _walk_module._expert_coords(tile, num_pid_m, num_pid_n, num_blocks_ptr, GROUP_M)
+    tl.store(out_ptr + 2 * tile, pid_m)
+    tl.store(out_ptr + 2 * tile + 1, pid_n)
+
+
+@pytest.mark.parametrize("group_m", [1, 4])
+def test_expert_walk_groups_each_experts_blocks_and_visits_every_tile_once(group_m):
+    """Walk order, exactly: expert after expert; within one, groups of up to group_m of its blocks, each
+    group down every column tile in turn, as _tile_coords walks a whole matrix."""
+    global _walk_module
+    _walk_module = expert_group_module(EXPERT_GROUP_FORMS[0], group_m)
+    E, T, k, block_m, num_pid_n = 6, 200, 2, 16, 3
+    ids = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(11))
+    _, block_expert, _, num_blocks = _walk_module.dispatch(ids.to(DEVICE), E, block_m, spans=True)
+    n = int(num_blocks[0])
+    out = torch.full((n * num_pid_n, 2), -1, dtype=torch.int32, device=DEVICE)
+    _expert_walk_kernel[(n * num_pid_n,)](num_blocks, out, n, num_pid_n, GROUP_M=-group_m)
+    experts = block_expert[:n].cpu().tolist()
+    want = []
+    for e in sorted(set(experts)):
+        first, count = experts.index(e), experts.count(e)
+        for g0 in range(0, count, group_m):
+            want += [(m, c) for c in range(num_pid_n) for m in range(first + g0, first + min(g0 + group_m, count))]
+    assert max(experts.count(e) for e in experts) > group_m  # some expert spans several groups
+    assert [tuple(c) for c in out.cpu().tolist()] == want
+
+
+@pytest.mark.parametrize("form", EXPERT_GROUP_FORMS)
+@pytest.mark.parametrize("group_m", [1, 4])
+def test_expert_groups_match_reference(form, group_m):
+    """Experts of ~2-3 row blocks (E=4, 70 tokens x 2, 16-row blocks) and a one-token call."""
+    module = expert_group_module(form, group_m)
+    assert_matches(module, *inputs(E=4, T=70, dtype=DTYPES[0]))
+    assert_matches(module, *inputs(T=1, dtype=DTYPES[0]))
 
 
 class TestEdgeCases:

@@ -262,7 +262,8 @@ def test_lent_gpu_names_an_unknown_stage_before_it_installs_anything(tmp_path):
     assert not (tmp_path / "calls").exists() and not (tmp_path / "out").exists()
 
 
-_spec_dram = importlib.util.spec_from_file_location("dram", Path(__file__).resolve().parent.parent / "tools" / "dram.py")
+_spec_dram = importlib.util.spec_from_file_location("dram", Path(__file__).resolve().parent.parent / "tools" /
+                                                    "dram.py")
 dram = importlib.util.module_from_spec(_spec_dram)
 _spec_dram.loader.exec_module(dram)
 
@@ -293,3 +294,8 @@ def test_dram_refuses_to_run_without_a_gpu_and_needs_its_tokens(capsys):
     assert dram.main(["8192"]) == 1
     assert "GPU" in capsys.readouterr().out
     assert dram.main([]) == 2
+
+
+def test_dram_profiles_the_committed_h200_module_where_this_machine_has_none():
+    assert dram.default_module().name == "h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
+    assert dram.default_module().exists()

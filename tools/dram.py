@@ -6,7 +6,7 @@ the bytes the call must read at least (every weight once, the tokens once).
 Under ncu this file runs the module at each T twice untimed (compiles, allocator warm) and once
 inside an NVTX range named `call-T`, which is what ncu profiles (`--nvtx-include`). Run plainly
 (no ncu), it only checks that the calls work and prints the least bytes per T. MODULE defaults to
-the committed seed16 module of the first fingerprint that has one (the GEMMs' traffic is a
+this machine's emitted seed16 module, else the committed H200 one (the GEMMs' traffic is a
 property of the variant, so an H200 module profiled on an H100 still answers whether a weight slab
 comes from DRAM once).
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from autotune import render, target
+from autotune import emit, render, target
 from autotune.workloads import SEED16_SHAPE, make_tokens, make_weights, suite
 
-GENERATED = Path(__file__).resolve().parents[1] / "kernels_generated"
+H200 = "H200-sm90-triton3.6.0"
 
 
 def least_bytes(T: int, shape=SEED16_SHAPE) -> dict[str, int]:
@@ -33,10 +33,11 @@ def least_bytes(T: int, shape=SEED16_SHAPE) -> dict[str, int]:
 
 
 def default_module() -> Path:
-    found = sorted(GENERATED.glob(f"*_{SEED16_SHAPE.key}.py"))
-    if not found:
-        raise SystemExit(f"no emitted seed16 module under {GENERATED}")
-    return found[0]
+    """This machine's emitted seed16 module, else the H200's (the target's, committed)."""
+    for path in (emit.this_machine_module_path(SEED16_SHAPE.key), emit.module_path(H200, SEED16_SHAPE.key)):
+        if path.exists():
+            return path
+    raise SystemExit(f"no emitted seed16 module for this machine or {H200}")
 
 
 def summarize(csv_path: Path) -> None:
@@ -49,13 +50,15 @@ def summarize(csv_path: Path) -> None:
         kernels[(r["ID"], r["Kernel Name"])][metric] = value
     total = defaultdict(float)
     for (kid, name), m in sorted(kernels.items(), key=lambda kv: int(kv[0][0])):
-        read, write, ns = (m.get(k, 0.0) for k in ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum"))
+        read, write, ns = (m.get(f"{k}.sum", 0.0) for k in ("dram__bytes_read", "dram__bytes_write",
+                                                              "gpu__time_duration"))
         total["read"] += read
         total["write"] += write
         total["us"] += ns / 1e3
         print(f"{kid:>4} {name[:48]:48s} {ns / 1e3:9.1f} us  read {read / 1e9:7.3f} GB  write {write / 1e9:7.3f} GB"
               f"  {read / max(ns, 1) / 1e3:6.2f} TB/s read")
-    print(f"sum  {'':48s} {total['us']:9.1f} us  read {total['read'] / 1e9:7.3f} GB  write {total['write'] / 1e9:7.3f} GB")
+    print(f"sum  {'':48s} {total['us']:9.1f} us  read {total['read'] / 1e9:7.3f} GB"
+          f"  write {total['write'] / 1e9:7.3f} GB")
 
 
 def main(argv: list[str]) -> int:
