@@ -13,13 +13,16 @@ that every timing is taken in the capped state that sustained load leaves the ca
 each round also times 5 eager back-to-back calls per variant (no graph), reported beside the graph
 figures: a difference that shows in one and not the other is the graph's (NOTES 20). LEADERS_OF names
 another card's fingerprint key to take the leaders from (e.g. H200-sm90-triton3.6.0 when only an H100
-is to be had): the comparison is then relative, on this card, of variants tuned on that one.
+is to be had): the comparison is then relative, on this card, of variants tuned on that one. MODULES
+names a folder to write each verified variant's one-variant module to, as T<T>-<i>.py (0 the leader,
+then the assignments in order), for tools that take a module file (tools/dram.sh).
 """
 
 import functools
 import os
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 from sqlalchemy.orm import Session
@@ -59,8 +62,10 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
     state = _CaseState()
     state.prepare(case)
     runs = []
-    for name, v in cands:
-        module = render.load_source(render.render_variant(v))
+    save = os.environ.get("MODULES")
+    for i, (name, v) in enumerate(cands):
+        source = render.render_variant(v)
+        module = render.load_source(source)
         weights, verify_weights = state.weights_for(module)
         x, w, ids = state.verify_tokens
         out = module.fused_experts(x, *verify_weights, w, ids)
@@ -68,6 +73,9 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
         if failures:
             print(f"T={case.T} {v.label}: fails the bar ({'; '.join(failures)}), not timed")
             continue
+        if save:
+            Path(save).mkdir(parents=True, exist_ok=True)
+            (Path(save) / f"T{case.T}-{i}.py").write_text(source)
         runs.append((name, v, module, weights))
     x, w, ids = state.tokens
     buf = torch.empty_like(x)
