@@ -253,6 +253,18 @@ def test_lent_gpu_all_tunes_then_finishes_and_brings_back_what_a_lender_can(tmp_
     assert all(p.stat().st_size < _LENDER_FILE_LIMIT for p in out.rglob("*") if p.is_file())
 
 
+@pytest.mark.skipif(not (shutil.which("bash") and shutil.which("gzip")), reason="needs bash and gzip")
+def test_lent_gpu_probes_each_leader_with_every_probe_named(tmp_path):
+    repo, env = _stub_machine(tmp_path)
+    env["PROBE"] = "weight_layout=k64;weight_layout=k64,group_by_expert=True"
+    done = subprocess.run(["bash", str(repo / "tools" / "lent_gpu.sh"), "tune"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    for sweep in calls[:2]:
+        assert "--probe weight_layout=k64 --probe weight_layout=k64,group_by_expert=True " in sweep
+
+
 @pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
 def test_lent_gpu_names_an_unknown_stage_before_it_installs_anything(tmp_path):
     repo, env = _stub_machine(tmp_path)

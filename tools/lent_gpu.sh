@@ -10,7 +10,7 @@
 # Environment: OUT (a folder the results are copied to, e.g. the lender's $OUT: the database gzipped
 # under db/, the module, its bench JSON and PNG under km/), BUDGET (seconds the tune stage may take,
 # default 520: what is left after the sweeps goes to EXTRA_T), TL1 and TL2 (the tuner's seconds for the uniform and the zipf
-# sweeps), PROBE (each token's probe, `--probe` syntax; default weight_layout=k64), EXTRA_T and
+# sweeps), PROBE (each token's probes, `--probe` syntax, `;`-separated; default weight_layout=k64), EXTRA_T and
 # EXTRA_PROBES (one token count and its further probes, `;`-separated, tuned with what time is left),
 # BTL and CTL (the bench's and the check's seconds). Wheels in ./.whl (optuna, SQLAlchemy and their dependencies; ./.whl/plot
 # for matplotlib) are installed first where the machine lacks them and has no network.
@@ -38,14 +38,17 @@ module=kernels_generated/h200_sm90_e256_h4096_i2048_k8_bfloat16
 tune_stage() {
   BUDGET=${BUDGET:-520}; TL1=${TL1:-285}; TL2=${TL2:-90}; PROBE=${PROBE:-weight_layout=k64}
   mkdir -p "$OUT/db"
+  local leader_probes=()
+  IFS=';' read -ra each <<< "$PROBE"
+  for p in "${each[@]}"; do leader_probes+=(--probe "$p"); done
   # Gzipped: the database outgrew what a lender brings back of one file (16 MiB each; the database is past 17 MB).
   save() { gzip -c db/moe_tune.sqlite3 > "$OUT/db/moe_tune.sqlite3.gz"; }
   trap save EXIT
   mt $((TL1 + 30)) tune --tokens 2048,1024,4096,8192,512,256,16384,32768,128,64,32,16,8,4,2,1 \
-    --more 0 --retime 1 --probe "$PROBE" --time-budget "$TL1" 2>&1 | tail -60
+    --more 0 --retime 1 "${leader_probes[@]}" --time-budget "$TL1" 2>&1 | tail -60
   save
   mt $((TL2 + 30)) tune --routing zipf --tokens 1024,512,256,128,64 \
-    --more 0 --retime 1 --probe "$PROBE" --time-budget "$TL2" 2>&1 | tail -30
+    --more 0 --retime 1 "${leader_probes[@]}" --time-budget "$TL2" 2>&1 | tail -30
   save
   spare=$(( $(left) - 20 ))
   if [ -n "${EXTRA_T:-}" ] && [ "$spare" -gt 40 ]; then
