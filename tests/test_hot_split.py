@@ -121,3 +121,14 @@ def test_emit_pairs_a_row_with_its_hot_routing_leader(tmp_path):
     row = module.select_variant(9)
     assert row.hot.block_m == HOT.block_m and row.hot_rows == HOT.block_m // 2
     assert "zipf, experts >= 32 rows: " in path.read_text()
+
+
+@pytest.mark.parametrize("grouped", ["hot", "cold", "both"])
+def test_a_side_grouped_within_experts_walks_its_own_spans(grouped):
+    """group_by_expert on either side of a routing-adaptive row: each side's dispatch writes the spans
+    its own GEMMs walk (a hot expert holds several 64-row blocks, so groups of 1 step within it)."""
+    hot = dataclasses.replace(HOT, g1_group_m=1, g2_group_m=1, group_by_expert=grouped in ("hot", "both"))
+    cold = dataclasses.replace(COLD, group_by_expert=grouped in ("cold", "both"))
+    module = render.load_source(render.render_module([Row(math.inf, cold, hot, HOT_ROWS)], "hot split", []))
+    assert_matches(module, *inputs(T=150, dtype=DTYPES[0], seed=1, routing="zipf"))
+    assert_matches(module, *inputs(T=40, dtype=DTYPES[0], seed=1, routing="uniform"))
