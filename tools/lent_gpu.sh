@@ -9,11 +9,12 @@
 #
 # Environment: OUT (a folder the results are copied to, e.g. the lender's $OUT: the database gzipped
 # under db/, the module, its bench JSON and PNG under km/), BUDGET (seconds the tune stage may take,
-# default 520: what is left after the sweeps goes to EXTRA_T), TL1 and TL2 (the tuner's seconds for the uniform and the zipf
-# sweeps), PROBE (each token's probes, `--probe` syntax, `;`-separated; default weight_layout=k64), EXTRA_T and
-# EXTRA_PROBES (one token count and its further probes, `;`-separated, tuned with what time is left),
-# BTL and CTL (the bench's and the check's seconds). Wheels in ./.whl (optuna, SQLAlchemy and their dependencies; ./.whl/plot
-# for matplotlib) are installed first where the machine lacks them and has no network.
+# default 520: what is left after the sweeps goes to EXTRA_T), TL1 and TL2 (the tuner's seconds for
+# the uniform and the zipf sweeps), PROBE (each token's probes, `--probe` syntax, `;`-separated;
+# default k64 with and without group_by_expert, NOTES 83 and 89), EXTRA_T and EXTRA_PROBES (one token
+# count and its further probes, `;`-separated, tuned with what time is left), BTL and CTL (the
+# bench's and the check's seconds). Wheels in ./.whl (optuna, SQLAlchemy and their dependencies;
+# ./.whl/plot for matplotlib) are installed first where the machine lacks them and has no network.
 set -u
 stage=${1:?usage: lent_gpu.sh tune|finish|all}
 case $stage in tune|finish|all) ;; *) echo "unknown stage: $stage (tune, finish or all)" >&2; exit 2 ;; esac
@@ -36,7 +37,7 @@ nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 module=kernels_generated/h200_sm90_e256_h4096_i2048_k8_bfloat16
 
 tune_stage() {
-  BUDGET=${BUDGET:-520}; TL1=${TL1:-285}; TL2=${TL2:-90}; PROBE=${PROBE:-weight_layout=k64}
+  BUDGET=${BUDGET:-520}; TL1=${TL1:-285}; TL2=${TL2:-90}; PROBE=${PROBE:-weight_layout=k64;weight_layout=k64,group_by_expert=True}
   mkdir -p "$OUT/db"
   local leader_probes=()
   IFS=';' read -ra each <<< "$PROBE"
@@ -76,8 +77,10 @@ tune) tune_stage ;;
 finish) finish_stage ;;
 all)
   # Both stages in one call (one start): on a fresh H100 the finish stage took ~115 s (bench 102 s,
-  # check 12 s) and the tune stage its sweeps' seconds plus ~35 s, so these defaults end in ~470 s.
-  BUDGET=${BUDGET:-330}; TL1=${TL1:-240}; TL2=${TL2:-55}; BTL=${BTL:-200}; CTL=${CTL:-60}
+  # check 12 s) and the tune stage its sweeps' seconds plus ~35 s, so these defaults end in ~510 s.
+  # TL1 is sized to ~4 trials a case: the leader's re-timing, the two probes, and group_by_expert on
+  # the rows layout (a parameter the leaders predate, which the tuner probes by itself).
+  BUDGET=${BUDGET:-370}; TL1=${TL1:-280}; TL2=${TL2:-55}; BTL=${BTL:-200}; CTL=${CTL:-60}
   tune_stage
   finish_stage
   ;;
