@@ -182,7 +182,8 @@ PARAMS: tuple[Param, ...] = (
           "them a group) take each weight tile together, instead of groups of g*_group_m consecutive blocks "
           "that split an expert between two groups, whose second reads the expert's weights from DRAM again "
           "(NOTES 88: 1.33x the weights' bytes at T=8192). Dispatch writes each block's expert span for it",
-          default=False, when=lambda v, case: not (v["direct"] or v["half_tail"])),
+          default=False, when=lambda v, case: not (v["direct"] or v["tail_walk"] or v["g1_pair_tail"]
+                                                   or v["g2_pair_tail"])),
     Param("permute_by_token", (False, True),
           "split dispatch's permutation walks tokens: each program reads a token row once and writes it to its "
           "k expert-order positions (dispatch also writes each slot's position), instead of each row block "
@@ -427,9 +428,9 @@ def violations(v: Variant, case: Case) -> list[str]:
             elif g["BLOCK_K"] % K_BLOCK:
                 bad.append(f"weight_layout=k64 steps through whole {K_BLOCK}-column blocks: g{which}_block_k must be "
                            f"a multiple of {K_BLOCK}")
-    if v.group_by_expert and (v.direct or v.half_tail):
-        bad.append("group_by_expert groups an expert's row blocks: not with direct dispatch (no blocks) or half "
-                   "tails (their walks and pairs keep the plain groups)")
+    if v.group_by_expert and (v.direct or v.tail_walk or v.g1_pair_tail or v.g2_pair_tail):
+        bad.append("group_by_expert groups an expert's row blocks: not with direct dispatch (no blocks), tail "
+                   "walks or pair tails (their walks keep the plain groups)")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()

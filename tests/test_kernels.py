@@ -150,10 +150,12 @@ def test_dispatch_walk_lists(form_modules, E, T, k, block_m):
     assert torch.equal(tail[:want_tail.numel()], want_tail)
 
 
-# group_by_expert over the GEMM forms it applies to (not direct, not half tails): plain and persistent
-# walks, pointer and TMA rows, each with groups of one block and of up to four within an expert.
+# group_by_expert over the GEMM forms it applies to (not direct, tail walks or pairs): plain and
+# persistent walks, pointer and TMA rows, with and without half tails, each with groups of one block and
+# of up to four within an expert.
 EXPERT_GROUP_FORMS = [("fused", "fused", False, False), ("fused", "split", False, True),
-                      ("split", "fused", True, True), ("split", "split", True, False)]
+                      ("split", "fused", True, True), ("split", "split", True, False),
+                      ("fused", "split", False, False, True), ("split", "fused", True, True, True)]
 
 
 @functools.cache
@@ -219,7 +221,8 @@ def test_expert_walk_groups_each_experts_blocks_and_visits_every_tile_once(group
 @pytest.mark.parametrize("form", EXPERT_GROUP_FORMS)
 @pytest.mark.parametrize("group_m", [1, 4])
 def test_expert_groups_match_reference(form, group_m):
-    """Experts of ~2-3 row blocks (E=4, 70 tokens x 2, 16-row blocks) and a one-token call."""
+    """Experts of several row blocks (E=4, 70 tokens x 2: ~35 rows, in 16-row blocks, or with half tails a
+    32-row block and a half tail) and a one-token call."""
     module = expert_group_module(form, group_m)
     assert_matches(module, *inputs(E=4, T=70, dtype=DTYPES[0]))
     assert_matches(module, *inputs(T=1, dtype=DTYPES[0]))

@@ -206,16 +206,17 @@ def test_k_blocked_weights_compile_to_the_same_kernels(gluon):
             (rows.name, rows.shared_bytes, rows.tma_copies, rows.wgmma_shapes)
 
 
+@pytest.mark.parametrize("half", [False, True])
 @pytest.mark.parametrize("gluon1", [False, True])
-def test_expert_groups_compile_to_the_same_tiles(gluon1):
+def test_expert_groups_compile_to_the_same_tiles(gluon1, half):
     """group_by_expert at the large-T leaders' forms (T=8192: a persistent triton GEMM1 and a Gluon
-    GEMM2 writing expert order; T>=16384: both Gluon, dynamic walk): the walk's two loads of a block's
-    span change neither the wgmma tile nor the shared memory, and nothing spills."""
+    GEMM2 writing expert order; T>=16384: both Gluon, dynamic walk), also with half tails: the walk's
+    two loads of a block's span change neither the wgmma tile nor the shared memory, and nothing spills."""
     case = Case(SEED16_SHAPE, 8192)
     v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128, bn=128, bk=64, group_m=8),
                             g1_num_warps=8, g1_num_stages=3, g2_block_n=256, g2_num_warps=8, g2_num_stages=3,
                             g2_gluon=True, g2_sorted_out=True, g1_gluon=gluon1, g1_tma_store=gluon1,
-                            dynamic_walk=gluon1)
+                            dynamic_walk=gluon1, half_tail=half)
     grouped = dataclasses.replace(v, group_by_expert=True)
     assert "E8" in grouped.label and "G8" not in grouped.label
     for which in (1, 2):
