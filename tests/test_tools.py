@@ -13,9 +13,16 @@ from conftest import small_variant
 
 from autotune.workloads import SEED16_SHAPE, Case
 
-_spec = importlib.util.spec_from_file_location("ab", Path(__file__).resolve().parent.parent / "tools" / "ab.py")
-ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ab)
+
+def _tool(name: str):
+    """tools/<name>.py, imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ab = _tool("ab")
 
 
 def test_ab_times_the_leader_then_each_new_accepted_variant(capsys):
@@ -42,10 +49,7 @@ def test_ab_refuses_to_run_without_a_gpu(capsys):
     assert "GPU" in capsys.readouterr().out
 
 
-_spec_ptx = importlib.util.spec_from_file_location("same_ptx", Path(__file__).resolve().parent.parent / "tools" /
-                                                   "same_ptx.py")
-same_ptx = importlib.util.module_from_spec(_spec_ptx)
-_spec_ptx.loader.exec_module(same_ptx)
+same_ptx = _tool("same_ptx")
 
 
 def test_same_ptx_compares_code_not_where_it_came_from():
@@ -58,10 +62,7 @@ def test_same_ptx_compares_code_not_where_it_came_from():
     assert same_ptx.main([]) == 2
 
 
-_spec_pad = importlib.util.spec_from_file_location("padding", Path(__file__).resolve().parent.parent / "tools" /
-                                                   "padding.py")
-padding = importlib.util.module_from_spec(_spec_pad)
-_spec_pad.loader.exec_module(padding)
+padding = _tool("padding")
 
 
 def test_balanced_routing_gives_every_expert_its_share_and_each_token_distinct_experts():
@@ -82,10 +83,7 @@ def test_padding_refuses_to_run_without_a_gpu(capsys):
     assert "GPU" in capsys.readouterr().out
 
 
-_spec_host = importlib.util.spec_from_file_location("host", Path(__file__).resolve().parent.parent / "tools" /
-                                                    "host.py")
-host = importlib.util.module_from_spec(_spec_host)
-_spec_host.loader.exec_module(host)
+host = _tool("host")
 
 
 @pytest.mark.skipif(host.target.has_gpu(), reason="it times on this GPU instead")
@@ -94,10 +92,7 @@ def test_host_refuses_to_run_without_a_gpu(capsys):
     assert "GPU" in capsys.readouterr().out
 
 
-_spec_dense = importlib.util.spec_from_file_location("dense_bound", Path(__file__).resolve().parent.parent / "tools" /
-                                                     "dense_bound.py")
-dense_bound = importlib.util.module_from_spec(_spec_dense)
-_spec_dense.loader.exec_module(dense_bound)
+dense_bound = _tool("dense_bound")
 
 
 def test_dense_chain_runs_both_gemms_on_the_cases_flops():
@@ -158,10 +153,7 @@ def test_dense_bound_row_times_the_module_and_each_chain_that_runs(capsys):
     assert torch.isfinite(torch.tensor(row["floor_ms"]))
 
 
-_spec_ws = importlib.util.spec_from_file_location("weight_stream", Path(__file__).resolve().parent.parent / "tools" /
-                                                  "weight_stream.py")
-weight_stream = importlib.util.module_from_spec(_spec_ws)
-_spec_ws.loader.exec_module(weight_stream)
+weight_stream = _tool("weight_stream")
 
 
 @pytest.mark.parametrize("walk", ["row-major", "rotated", "k-blocked"])
@@ -274,16 +266,14 @@ def test_lent_gpu_names_an_unknown_stage_before_it_installs_anything(tmp_path):
     assert not (tmp_path / "calls").exists() and not (tmp_path / "out").exists()
 
 
-_spec_dram = importlib.util.spec_from_file_location("dram", Path(__file__).resolve().parent.parent / "tools" /
-                                                    "dram.py")
-dram = importlib.util.module_from_spec(_spec_dram)
-_spec_dram.loader.exec_module(dram)
+dram = _tool("dram")
 
 
 def test_dram_least_bytes_are_the_weights_once_and_the_tokens():
     least = dram.least_bytes(8192)
     assert least["w13"] == 256 * 2 * 2048 * 4096 * 2 and least["w2"] == least["w13"] // 2
     assert least["x"] == least["out"] == 8192 * 4096 * 2
+    assert sum(least.values()) == Case(SEED16_SHAPE, 8192).bytes_moved(SEED16_SHAPE.E)  # the bench's floor bytes
 
 
 def test_dram_sums_each_kernel_of_ncus_csv(tmp_path, capsys):

@@ -62,7 +62,9 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
     state = _CaseState()
     state.prepare(case)
     runs = []
-    save = os.environ.get("MODULES")
+    save = Path(os.environ["MODULES"]) if os.environ.get("MODULES") else None
+    if save:
+        save.mkdir(parents=True, exist_ok=True)
     for i, (name, v) in enumerate(cands):
         source = render.render_variant(v)
         module = render.load_source(source)
@@ -74,8 +76,7 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
             print(f"T={case.T} {v.label}: fails the bar ({'; '.join(failures)}), not timed")
             continue
         if save:
-            Path(save).mkdir(parents=True, exist_ok=True)
-            (Path(save) / f"T{case.T}-{i}.py").write_text(source)
+            (save / f"T{case.T}-{i}.py").write_text(source)
         runs.append((name, v, module, weights))
     x, w, ids = state.tokens
     buf = torch.empty_like(x)

@@ -25,11 +25,12 @@ H200 = "H200-sm90-triton3.6.0"
 
 
 def least_bytes(T: int, shape=SEED16_SHAPE) -> dict[str, int]:
-    """Bytes a call cannot avoid reading from DRAM: each used expert's weights once (every expert at
-    seed16's T >= 64 on uniform routing), the tokens and their router weights once."""
-    w13 = shape.E * 2 * shape.I * shape.H * 2
-    w2 = shape.E * shape.H * shape.I * 2
-    return {"w13": w13, "w2": w2, "x": T * shape.H * 2, "out": T * shape.H * 2}
+    """The bytes a call cannot avoid, by part: every expert's weights once (each expert is routed to
+    at seed16's T >= 64 on uniform routing), x read once and out written once: Case.bytes_moved's
+    floor with every expert touched."""
+    e = shape.elem_bytes
+    return {"w13": shape.E * 2 * shape.I * shape.H * e, "w2": shape.E * shape.H * shape.I * e,
+            "x": T * shape.H * e, "out": T * shape.H * e}
 
 
 def default_module() -> Path:
@@ -41,8 +42,8 @@ def default_module() -> Path:
 
 
 def summarize(csv_path: Path) -> None:
-    """ncu's `--csv --print-units base` page, one line per kernel of each profiled range: its time and
-    DRAM bytes, then the range's sum against the least bytes."""
+    """ncu's `--csv --print-units base` page: one line per profiled kernel (its time, DRAM bytes and read
+    rate), then their sum."""
     rows = list(csv.DictReader(line for line in csv_path.open() if line.startswith('"')))
     kernels: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     for r in rows:
