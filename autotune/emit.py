@@ -235,6 +235,13 @@ def _tuned_gpu(gpu: str, capability: str, case: Case) -> render.TunedGpu | None:
                            f"--shape {s.E},{s.H},{s.I},{s.k} --dtype {s.dtype}")
 
 
+def _table_line(lead: str, text: str, width: int = 120) -> list[str]:
+    """A header table row: `lead` (the figures) then `text`, wrapped under the text's column where the
+    row would pass the module's line length (a long variant label)."""
+    return textwrap.wrap(text, width, initial_indent=lead, subsequent_indent=" " * len(lead),
+                         break_on_hyphens=False)
+
+
 def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None = None,
          out_dir: Path = OUT_DIR, hot_routing: str | None = None, log=lambda m: None,
          weight_layout: str = "auto") -> Path:
@@ -270,6 +277,13 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
         adaptive = ", ".join(str(c.T) for c in tuned if c.key in hot) or "none"
         log(f"--hot-routing {hot_routing}: routing-adaptive rows T = {adaptive} (a row is one where its case was "
             f"tuned under {hot_routing} routing too and that leader can share a call with the row's)")
+        elsewhere = [c.T for c in tuned if c.key not in hot and any(
+            leader(session, fingerprint, dataclasses.replace(c, routing=hot_routing), other) is not None
+            for other in WEIGHT_LAYOUTS[1:] if other != weight_layout)]
+        if elsewhere:
+            log(f"--hot-routing {hot_routing}: T = {', '.join(map(str, elsewhere))} have a {hot_routing} leader only in "
+                f"another weight layout than this module's {weight_layout}, so their rows are not routing-adaptive; "
+                f"`moe-tune tune --routing {hot_routing} --probe weight_layout={weight_layout}` gives them one")
     shape = tuned[0].shape
     runs = sorted({t.run_id for t in [*best.values(), *hot.values()]})
     run = db.run_of(session, runs[-1])
@@ -287,11 +301,11 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
     for c, row in zip(tuned, rows, strict=True):
         t = best[c.key]
         sol = f"{100 * t.floor_ms / t.median_ms:.1f}%" if t.floor_ms else "n/a"
-        header.append(f"    {c.T:>6} {t.median_ms:9.4f} {sol:>6}  {t.label}")
+        header += _table_line(f"    {c.T:>6} {t.median_ms:9.4f} {sol:>6}  ", t.label)
         if c.key in hot:
             h = hot[c.key]
-            header.append(f"    {'':>6} {h.median_ms:9.4f} {'':>6}  "
-                          f"{hot_routing}, experts >= {row.hot_rows} rows: {h.label}")
+            header += _table_line(f"    {'':>6} {h.median_ms:9.4f} {'':>6}  ",
+                                  f"{hot_routing}, experts >= {row.hot_rows} rows: {h.label}")
     methods: dict[str, list[int]] = {}
     for c in tuned:
         methods.setdefault(best[c.key].timing_method or "unrecorded", []).append(c.T)

@@ -83,9 +83,12 @@ def _check(shape: Shape, tokens) -> None:
     module = render.load_path(emit.module_path(db.COMMITTED_FINGERPRINT, shape.key))
     assert module._FAST_LAUNCH, "the committed module plans no launches on this triton"
     log = _recording(module)
-    # Weights are never read here: empty tensors of the shape (seed16's are 6 GB).
-    weights = (torch.empty((shape.E, 2 * shape.I, shape.H), dtype=torch.bfloat16),
-               torch.empty((shape.E, shape.H, shape.I), dtype=torch.bfloat16))
+    # Weights are never read here: empty tensors of the shape (seed16's are 13 GB), in the layout the
+    # module reads (its prepare_weights run on meta tensors gives that layout's shapes, allocating nothing).
+    weights = (torch.empty((shape.E, 2 * shape.I, shape.H), dtype=torch.bfloat16, device="meta"),
+               torch.empty((shape.E, shape.H, shape.I), dtype=torch.bfloat16, device="meta"))
+    weights = render.weights_for(module, *weights)
+    weights = tuple(torch.empty(w.shape, dtype=w.dtype) for w in weights)
     # Calls that share a key (other buffers, other routing) and calls that differ in what it holds.
     calls = [dict(routing="uniform"), dict(routing="zipf"), dict(routing="uniform", ids_dtype=torch.int64),
              dict(routing="uniform", weights_dtype=torch.bfloat16), dict(routing="uniform", out_pad=8),

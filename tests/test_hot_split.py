@@ -123,6 +123,31 @@ def test_emit_pairs_a_row_with_its_hot_routing_leader(tmp_path):
     assert "zipf, experts >= 32 rows: " in path.read_text()
 
 
+def test_emit_names_rows_whose_hot_leader_is_in_another_layout(tmp_path):
+    """A module reads one weight layout, so a case whose zipf leader reads another stays one variant,
+    and emit says which cases lost their hot side that way and how to give them one."""
+    from sqlalchemy.orm import Session
+
+    from autotune import db, emit, target
+    from autotune.workloads import suite
+
+    shape = Shape(4, 64, 64, 2, "float16")
+    fp = target.fingerprint()
+    (case,) = suite(shape, (9,))
+    said = []
+    with Session(db.connect(f"sqlite:///{tmp_path / 'hot.sqlite3'}")) as s:
+        run = db.start_run(s, fp, "test", None)
+        for c, v in ((case, dataclasses.replace(COLD, weight_layout="k64")),
+                     (dataclasses.replace(case, routing="zipf"), HOT)):
+            db.record_trial(s, run_id=run.id, study="t", fingerprint=fp.key, case_key=c.key, case=c.as_dict(),
+                            params=v.as_dict(), label=v.label, source_hash=render.variant_hash(v), status="ok",
+                            median_ms=1.0)
+        path = emit.emit(s, fp.key, [case], "one_layout", tmp_path, hot_routing="zipf", log=said.append)
+    assert getattr(render.load_path(path).select_variant(9), "hot", None) is None  # no routing-adaptive row
+    assert any("T = 9 have a zipf leader only in another weight layout than this module's k64" in m
+               and "--probe weight_layout=k64" in m for m in said), said
+
+
 @pytest.mark.parametrize("grouped", ["hot", "cold", "both"])
 def test_a_side_grouped_within_experts_walks_its_own_spans(grouped):
     """group_by_expert on either side of a routing-adaptive row: each side's dispatch writes the spans

@@ -142,13 +142,18 @@ def test_an_emitted_module_refuses_what_the_interpreter_cannot_run(tuned_db, tmp
     x, w, ids = make_tokens(Case(bf16, 3), DEVICE)
     with pytest.raises(TypeError, match="hidden_states is bf16"):
         module.fused_experts(x, *make_weights(bf16, DEVICE), w, ids)
-    # The committed seed16 module's first Gluon row, on small fp16 weights (the contract takes any shape).
+    # The committed seed16 module's first Gluon row, on small fp16 weights (the contract takes any shape;
+    # H and I multiples of 64 where the module reads its own weight layout, made by prepare_weights).
     committed = render.load_path(COMMITTED_MODULE)
     T = next(2**i for i in range(16) if getattr(committed.select_variant(2**i), "g1_gluon", False)
              or getattr(committed.select_variant(2**i), "g2_gluon", False))
-    x, w, ids = make_tokens(Case(SHAPE, T), DEVICE)
+    small = Shape(E=4, H=64, I=64, k=2, dtype="float16")
+    weights = make_weights(small, DEVICE)
+    if hasattr(committed, "prepare_weights"):
+        weights = committed.prepare_weights(*weights)
+    x, w, ids = make_tokens(Case(small, T), DEVICE)
     with pytest.raises(RuntimeError, match=f"T={T} is served by a variant with a Gluon GEMM"):
-        committed.fused_experts(x, *make_weights(SHAPE, DEVICE), w, ids)
+        committed.fused_experts(x, *weights, w, ids)
 
 
 def test_cli_rejects_bad_shape(capsys):
@@ -309,7 +314,7 @@ def test_check_reports_a_refused_case_and_goes_on(capsys):
     case with its reason; the others are still checked."""
     if GPU or not COMMITTED_MODULE.exists():
         pytest.skip("the interpreter's refusal of a Gluon row")
-    assert cli.main(["check", "--module", str(COMMITTED_MODULE), "--shape", "4,32,32,2", "--dtype", "float16",
+    assert cli.main(["check", "--module", str(COMMITTED_MODULE), "--shape", "4,64,64,2", "--dtype", "float16",
                      "--tokens", "1,6000"]) == 1
     out = capsys.readouterr().out
     assert "T=6000   FAIL: RuntimeError: T=6000 is served by a variant with a Gluon GEMM" in out
