@@ -281,8 +281,8 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
             leader(session, fingerprint, dataclasses.replace(c, routing=hot_routing), other) is not None
             for other in WEIGHT_LAYOUTS[1:] if other != weight_layout)]
         if elsewhere:
-            log(f"--hot-routing {hot_routing}: T = {', '.join(map(str, elsewhere))} have a {hot_routing} leader only in "
-                f"another weight layout than this module's {weight_layout}, so their rows are not routing-adaptive; "
+            log(f"--hot-routing {hot_routing}: T = {', '.join(map(str, elsewhere))} have a {hot_routing} leader only "
+                f"in another weight layout than this module's {weight_layout}, so their rows are not routing-adaptive; "
                 f"`moe-tune tune --routing {hot_routing} --probe weight_layout={weight_layout}` gives them one")
     shape = tuned[0].shape
     runs = sorted({t.run_id for t in [*best.values(), *hot.values()]})
