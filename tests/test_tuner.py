@@ -148,9 +148,7 @@ def test_an_emitted_module_refuses_what_the_interpreter_cannot_run(tuned_db, tmp
     T = next(2**i for i in range(16) if getattr(committed.select_variant(2**i), "g1_gluon", False)
              or getattr(committed.select_variant(2**i), "g2_gluon", False))
     small = Shape(E=4, H=64, I=64, k=2, dtype="float16")
-    weights = make_weights(small, DEVICE)
-    if hasattr(committed, "prepare_weights"):
-        weights = committed.prepare_weights(*weights)
+    weights = render.weights_for(committed, *make_weights(small, DEVICE))
     x, w, ids = make_tokens(Case(small, T), DEVICE)
     with pytest.raises(RuntimeError, match=f"T={T} is served by a variant with a Gluon GEMM"):
         committed.fused_experts(x, *weights, w, ids)
