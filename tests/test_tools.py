@@ -1,5 +1,5 @@
-"""tools/ab.py, same_ptx.py, padding.py, host.py, weight_stream.py and lent_gpu.sh, as far as they run without a
-GPU."""
+"""tools/ab.py, methods.py, same_ptx.py, padding.py, host.py, weight_stream.py, dram.py and lent_gpu.sh,
+as far as they run without a GPU."""
 
 import gzip
 import importlib.util
@@ -47,6 +47,32 @@ def test_ab_rotates_the_turns_over_the_rounds():
 def test_ab_refuses_to_run_without_a_gpu(capsys):
     assert ab.main(["64"]) == 1
     assert "GPU" in capsys.readouterr().out
+
+
+methods = _tool("methods")
+
+
+def test_methods_times_each_module_four_ways_after_checking_it(capsys):
+    """On the CPU (a small fp16 case, the interpreter): a k-blocked module's four methods each write the
+    checked output, into out= or a new tensor; a module whose output fails the bar gets no method."""
+    import dataclasses
+
+    import torch
+
+    from autotune import render
+    from autotune.workloads import Shape, make_tokens, make_weights
+
+    case = Case(Shape(4, 64, 64, 2, "float16"), 5)
+    module = render.load_source(render.render_variant(dataclasses.replace(small_variant(bk=64), weight_layout="k64")))
+    model = make_weights(case.shape, "cpu", seed=0)
+    runs = methods.calls(module, module.prepare_weights(*model), model, case)
+    assert list(runs) == [name for name, _, _ in methods.METHODS]
+    assert [settle for _, settle in runs.values()] == [methods.SETTLE_MS, 0.0, 0.0, methods.SETTLE_MS]
+    x, w, ids = make_tokens(case, "cpu")
+    want = module.fused_experts(x, *module.prepare_weights(*model), w, ids)
+    assert all(torch.equal(call(), want) for call, _ in runs.values())
+    assert methods.calls(module, module.prepare_weights(*model), [t * 2 for t in model], case) == {}
+    assert "fails the bar" in capsys.readouterr().out
 
 
 same_ptx = _tool("same_ptx")
@@ -255,6 +281,20 @@ def test_lent_gpu_probes_each_leader_with_every_probe_named(tmp_path):
     calls = (tmp_path / "calls").read_text().splitlines()
     for sweep in calls[:2]:
         assert "--probe weight_layout=k64 --probe weight_layout=k64,group_by_expert=True " in sweep
+
+
+@pytest.mark.skipif(not (shutil.which("bash") and shutil.which("gzip")), reason="needs bash and gzip")
+def test_lent_gpu_skips_a_sweep_of_no_seconds_and_benches_skew_on_request(tmp_path):
+    """TL1=0: the zipf sweep alone, on ZIPF_T's tokens; SKEW=1: finish also benches zipf routing."""
+    repo, env = _stub_machine(tmp_path)
+    env.update(TL1="0", ZIPF_T="128,256", SKEW="1")
+    done = subprocess.run(["bash", str(repo / "tools" / "lent_gpu.sh"), "all"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["tune", "show", "emit", "bench", "check", "bench"]
+    assert calls[0].startswith("tune --routing zipf --tokens 128,256 ")
+    assert calls[-1] == f"bench --routing zipf --json {tmp_path / 'out' / 'skew' / 'committed.zipf.bench.json'}"
 
 
 @pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")

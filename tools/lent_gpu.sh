@@ -10,10 +10,12 @@
 # Environment: OUT (a folder the results are copied to, e.g. the lender's $OUT: the database gzipped
 # under db/, the module, its bench JSON and PNG under km/), BUDGET (seconds the tune stage may take,
 # default 520: what is left after the sweeps goes to EXTRA_T), TL1 and TL2 (the tuner's seconds for
-# the uniform and the zipf sweeps), PROBE (each token's probes, `--probe` syntax, `;`-separated;
+# the uniform and the zipf sweeps; 0 skips one), ZIPF_T (the zipf sweep's tokens, default
+# 1024,512,256,128,64), PROBE (each token's probes, `--probe` syntax, `;`-separated;
 # default k64 with and without group_by_expert, NOTES 83 and 89), EXTRA_T and EXTRA_PROBES (one token
 # count and its further probes, `;`-separated, tuned with what time is left), BTL and CTL (the
-# bench's and the check's seconds). Wheels in ./.whl (optuna, SQLAlchemy and their dependencies;
+# bench's and the check's seconds), SKEW=1 (finish also benches the module under zipf routing, into
+# skew/ beside km/). Wheels in ./.whl (optuna, SQLAlchemy and their dependencies;
 # ./.whl/plot for matplotlib) are installed first where the machine lacks them and has no network.
 set -u
 stage=${1:?usage: lent_gpu.sh tune|finish|all}
@@ -45,12 +47,16 @@ tune_stage() {
   # Gzipped: the database outgrew what a lender brings back of one file (16 MiB each; the database is past 17 MB).
   save() { gzip -c db/moe_tune.sqlite3 > "$OUT/db/moe_tune.sqlite3.gz"; }
   trap save EXIT
-  mt $((TL1 + 30)) tune --tokens 2048,1024,4096,8192,512,256,16384,32768,128,64,32,16,8,4,2,1 \
-    --more 0 --retime 1 "${leader_probes[@]}" --time-budget "$TL1" 2>&1 | tail -60
-  save
-  mt $((TL2 + 30)) tune --routing zipf --tokens 1024,512,256,128,64 \
-    --more 0 --retime 1 "${leader_probes[@]}" --time-budget "$TL2" 2>&1 | tail -30
-  save
+  if [ "$TL1" -gt 0 ]; then
+    mt $((TL1 + 30)) tune --tokens 2048,1024,4096,8192,512,256,16384,32768,128,64,32,16,8,4,2,1 \
+      --more 0 --retime 1 "${leader_probes[@]}" --time-budget "$TL1" 2>&1 | tail -60
+    save
+  fi
+  if [ "$TL2" -gt 0 ]; then
+    mt $((TL2 + 30)) tune --routing zipf --tokens "${ZIPF_T:-1024,512,256,128,64}" \
+      --more 0 --retime 1 "${leader_probes[@]}" --time-budget "$TL2" 2>&1 | tail -30
+    save
+  fi
   spare=$(( $(left) - 20 ))
   if [ -n "${EXTRA_T:-}" ] && [ "$spare" -gt 40 ]; then
     probes=()
@@ -70,6 +76,10 @@ finish_stage() {
   mt "$BTL" bench --png $module.bench.png 2>&1 | tail -60
   cp $module.bench.* "$OUT/km/"
   mt "$CTL" check 2>&1 | tail -30
+  if [ "${SKEW:-0}" = 1 ]; then  # the module under zipf routing: the README's Skewed routing figures
+    mkdir -p "$OUT/skew"
+    mt "$BTL" bench --routing zipf --json "$OUT/skew/committed.zipf.bench.json" 2>&1 | tail -25
+  fi
 }
 
 case $stage in
