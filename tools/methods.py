@@ -6,7 +6,7 @@ rotates (tools/ab.py's turns), each output checked against the fp32 reference fi
     python tools/methods.py 1,2 kernels_generated/h200_sm90_e256_h4096_i2048_k8_bfloat16.py [other.py ...]
 
 Why (NOTES 91): on the H200 the tuner timed seed16's T=1 leader on the k-blocked weights at 0.0997 ms,
-and the bench of the module emitted from it, an hour later in the same call, at 0.1145 ms. Each module
+and the bench of the module emitted from it, minutes later in the same call, at 0.1145 ms. Each module
 takes seed16's weights as it reads them (its prepare_weights where it has one). ROUNDS sets the rounds
 (default 3), each 20 CUDA-graph replays per module and method.
 """
