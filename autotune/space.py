@@ -84,6 +84,11 @@ def _k_blocked_can_run(v: dict, case: Case) -> bool:
                     for w in (1, 2)))
 
 
+def _group_by_expert_can_run(v: dict, case: Case) -> bool:
+    # Direct dispatch has no row blocks; tail walks and pair tiles index blocks in the plain groups' order.
+    return not (v["direct"] or v["tail_walk"] or v["g1_pair_tail"] or v["g2_pair_tail"])
+
+
 PARAMS: tuple[Param, ...] = (
     Param("dispatch", ("fused", "split"),
           "fused: GEMM1 gathers token rows through the sorted indices; split: a permutation kernel first "
@@ -182,8 +187,7 @@ PARAMS: tuple[Param, ...] = (
           "them a group) take each weight tile together, instead of groups of g*_group_m consecutive blocks "
           "that split an expert between two groups, whose second reads the expert's weights from DRAM again "
           "(NOTES 88: 1.33x the weights' bytes at T=8192). Dispatch writes each block's expert span for it",
-          default=False, when=lambda v, case: not (v["direct"] or v["tail_walk"] or v["g1_pair_tail"]
-                                                   or v["g2_pair_tail"])),
+          default=False, when=_group_by_expert_can_run),
     Param("permute_by_token", (False, True),
           "split dispatch's permutation walks tokens: each program reads a token row once and writes it to its "
           "k expert-order positions (dispatch also writes each slot's position), instead of each row block "
@@ -428,7 +432,7 @@ def violations(v: Variant, case: Case) -> list[str]:
             elif g["BLOCK_K"] % K_BLOCK:
                 bad.append(f"weight_layout=k64 steps through whole {K_BLOCK}-column blocks: g{which}_block_k must be "
                            f"a multiple of {K_BLOCK}")
-    if v.group_by_expert and (v.direct or v.tail_walk or v.g1_pair_tail or v.g2_pair_tail):
+    if v.group_by_expert and not _group_by_expert_can_run(v.as_dict(), case):
         bad.append("group_by_expert groups an expert's row blocks: not with direct dispatch (no blocks), tail "
                    "walks or pair tails (their walks keep the plain groups)")
     if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
