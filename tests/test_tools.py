@@ -56,22 +56,26 @@ def test_methods_times_each_module_four_ways_after_checking_it(capsys):
     """On the CPU (a small fp16 case, the interpreter): a k-blocked module's four methods each write the
     checked output, into out= or a new tensor; a module whose output fails the bar gets no method."""
     import dataclasses
+    import types
 
     import torch
 
     from autotune import render
-    from autotune.workloads import Shape, make_tokens, make_weights
+    from autotune.runner import _CaseState
+    from autotune.workloads import Shape
 
     case = Case(Shape(4, 64, 64, 2, "float16"), 5)
     module = render.load_source(render.render_variant(dataclasses.replace(small_variant(bk=64), weight_layout="k64")))
-    model = make_weights(case.shape, "cpu", seed=0)
-    runs = methods.calls(module, module.prepare_weights(*model), model, case)
+    state = _CaseState()
+    runs = methods.calls(state, module, case)
     assert list(runs) == [name for name, _, _ in methods.METHODS]
     assert [settle for _, settle in runs.values()] == [methods.SETTLE_MS, 0.0, 0.0, methods.SETTLE_MS]
-    x, w, ids = make_tokens(case, "cpu")
-    want = module.fused_experts(x, *module.prepare_weights(*model), w, ids)
+    x, w, ids = state.tokens
+    want = module.fused_experts(x, *module.prepare_weights(*state.weights), w, ids)
     assert all(torch.equal(call(), want) for call, _ in runs.values())
-    assert methods.calls(module, module.prepare_weights(*model), [t * 2 for t in model], case) == {}
+    doubled = types.SimpleNamespace(__name__="doubled", prepare_weights=module.prepare_weights,
+                                    fused_experts=lambda *args, **kw: module.fused_experts(*args, **kw) * 2)
+    assert methods.calls(state, doubled, case) == {}
     assert "fails the bar" in capsys.readouterr().out
 
 

@@ -7,8 +7,8 @@ rotates (tools/ab.py's turns), each output checked against the fp32 reference fi
 
 Why (NOTES 91): on the H200 the tuner timed seed16's T=1 leader on the k-blocked weights at 0.0997 ms,
 and the bench of the module emitted from it, minutes later in the same call, at 0.1145 ms. Each module
-takes seed16's weights as it reads them (its prepare_weights where it has one). ROUNDS sets the rounds
-(default 3), each 20 CUDA-graph replays per module and method.
+takes the tuner's inputs, its weights as it reads them (its prepare_weights where it has one). ROUNDS
+sets the rounds (default 3), each 20 CUDA-graph replays per module and method.
 """
 
 import os
@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from autotune import render, target
-from autotune.reference import BAR, error_stats, moe_reference
+from autotune.reference import BAR, error_stats
+from autotune.runner import _CaseState
 from autotune.timing import SETTLE_MS, time_fn
-from autotune.workloads import SEED16_SHAPE, Case, make_tokens, make_weights
+from autotune.workloads import SEED16_SHAPE, Case, suite
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab import turns  # noqa: E402
@@ -31,15 +32,18 @@ METHODS = (("tuner", True, SETTLE_MS), ("bench", False, 0.0), ("out=, unsettled"
            ("alloc, settled", False, SETTLE_MS))
 
 
-def calls(module, weights, model_weights, case: Case) -> dict[str, tuple]:
-    """Each method's (call, settle ms) on the case's tokens, `weights` as the module reads them, its
-    output checked first against the reference on `model_weights`; {} if it fails."""
-    x, w, ids = make_tokens(case, target.device())
-    ref = moe_reference(x, *model_weights, w, ids)
-    failures = error_stats(module.fused_experts(x, *weights, w, ids), ref).failures(BAR)
+def calls(state: _CaseState, module, case: Case) -> dict[str, tuple]:
+    """Each method's (call, settle ms) on the case's timed tokens and weights as `module` reads them
+    (`state`, the runner's: one prepared copy shared by every module of a layout), its output checked
+    first as the tuner checks a trial; {} if it fails."""
+    state.prepare(case)
+    weights, verify_weights = state.weights_for(module)
+    x, w, ids = state.verify_tokens
+    failures = error_stats(module.fused_experts(x, *verify_weights, w, ids), state.reference).failures(BAR)
     if failures:
         print(f"T={case.T} {module.__name__}: fails the bar ({'; '.join(failures)}), not timed")
         return {}
+    x, w, ids = state.tokens
     out = torch.empty_like(x)
     return {name: ((lambda: module.fused_experts(x, *weights, w, ids, out=out)) if into
                    else (lambda: module.fused_experts(x, *weights, w, ids)), settle)
@@ -55,12 +59,12 @@ def main(argv: list[str]) -> int:
         return 1
     tokens, paths = [int(t) for t in argv[0].split(",")], argv[1:]
     rounds = int(os.environ.get("ROUNDS", 3))
-    model_weights = make_weights(SEED16_SHAPE, target.device(), seed=0)  # the bench's and the tuner's
+    state = _CaseState()
     modules = [render.load_path(p, f"methods_{i}") for i, p in enumerate(paths)]
-    weights = [render.weights_for(m, *model_weights) for m in modules]
     for T in tokens:
-        runs = {(Path(p).stem, name): fn for p, m, ww in zip(paths, modules, weights, strict=True)
-                for name, fn in calls(m, ww, model_weights, Case(SEED16_SHAPE, T)).items()}
+        case = suite(SEED16_SHAPE, [T])[0]  # the routing seed the tuner and the bench use
+        runs = {(Path(p).stem, name): fn for p, m in zip(paths, modules, strict=True)
+                for name, fn in calls(state, m, case).items()}
         samples = {key: [] for key in runs}
         for r in range(rounds):
             for key in turns(list(runs), r):
