@@ -267,6 +267,50 @@ def test_gpu_kernel_breakdown_names_every_kernel():
     assert kernels and all(k["us"] > 0 and k["launches"] > 0 for k in kernels)
 
 
+def test_own_launches_holds_a_launch_hook_only_inside():
+    """The hook an emitted module sets its planned launches and its own graphs aside for
+    (_launch_hooked), installed inside own_launches and removed after it, an exception included."""
+    import triton
+
+    from kernels_generated import h200_sm90_e128_h2048_i768_k8_bfloat16 as module
+
+    hooks = triton.knobs.runtime.launch_enter_hook
+    before = list(hooks.calls)
+    assert not module._launch_hooked()
+    with pytest.raises(KeyError), timing.own_launches():
+        assert module._launch_hooked() and len(hooks.calls) == len(before) + 1
+        raise KeyError("inside")
+    assert list(hooks.calls) == before and not module._launch_hooked()
+
+
+def test_wall_clock_timing_times_one_call_a_sample():
+    if target.has_gpu():
+        pytest.skip("the GPU path replays several calls a sample (test_gpu_time_fn_...)")
+    t = timing.time_fn(lambda: sum(range(100)), reps=4, warmup=1)
+    assert t.method == "wall-clock" and t.calls_per_sample == 1 and len(t.samples_ms) == 4
+
+
+@gpu
+@needs_cuda
+def test_gpu_time_fn_sizes_its_replays_past_one_slow_call():
+    """A call that waits on the host once after the warm-up (as an emitted module's does while it
+    captures its own graph) must not make every replay one call long (NOTES 93)."""
+    import time
+
+    a = torch.randn(256, 256, device="cuda")
+    out = torch.empty_like(a)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if len(calls) == 4:  # the first call on the caller's stream after 3 warm-up calls
+            time.sleep(0.02)
+        torch.matmul(a, a, out=out)
+
+    t = timing.time_fn(fn, reps=3, warmup=3)
+    assert t.calls_per_sample > 1, t
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("M, N, K", [(1000, 384, 200), (256, 4096, 4096), (4096, 4096, 1024)])

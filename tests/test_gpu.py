@@ -480,6 +480,23 @@ def test_a_replay_of_dense_inputs_runs_two_kernels_beside_its_graph():
     torch_kernels = [name for name in kernels if not name.startswith("_")]
     assert len(torch_kernels) == 2 and len(kernels) > 2, kernels
 
+def test_kernel_breakdown_profiles_a_replaying_call_by_its_launches():
+    """A call the module would replay from its own graph: the bench's breakdown shows its kernels
+    launched one by one (timing.own_launches), not the replay's copies (torch's kernels) nor kernels
+    whose time counts a PDL wait (NOTES 93)."""
+    from autotune import timing
+
+    module = _graph_module()
+    dev = target.device()
+    w13, w2 = make_weights(QWEN, dev, seed=3)
+    x, w, ids = make_tokens(Case(QWEN, 1, "uniform", seed=1), dev)
+    for _ in range(3):  # eager, captured, replayed
+        module.fused_experts(x, w13, w2, w, ids)
+    assert _graphs(module) == 1
+    kernels = timing.kernel_breakdown(lambda: module.fused_experts(x, w13, w2, w, ids))
+    assert kernels and all(k["name"].startswith("_") for k in kernels), kernels
+
+
 def test_graph_replays_serve_threads_and_step_aside_in_a_capture():
     """Threads calling one key on one stream (one graph's buffers) each get their own result; inside
     the caller's CUDA graph capture the module's kernels are captured, not its graph replayed."""

@@ -106,6 +106,23 @@ def test_pointer_loads_step_two_blocks_at_a_time(form):
     assert torch.equal(out, rows.fused_experts(x, *weights, w, ids))
 
 
+@pytest.mark.parametrize("form", [("fused", "fused", False, False), ("split", "fused", True, False),
+                                  ("fused", "split", True, True)])
+def test_swapped_tails_read_the_k_blocked_copy_exactly(form, weights):
+    """g1/g2_swap_tail on the copy: a paired tail of at most 16 rows runs as a [weight rows, 16] dot
+    whose weight operand is the full block's tile (here every expert has a 64-row block and a tail of
+    3-10 rows); pointer rows, TMA rows and persistent forms, bit for bit the row-major output."""
+    v = dataclasses.replace(small_variant(*form, half_tail=True, pair_tail=True, block_m=64, bk=64),
+                            g1_swap_tail=16, g2_swap_tail=16)
+    case = Case(SHAPE, 140, seed=140)
+    assert not space.violations(_k64(v), case)
+    rows, blocked = (render.load_source(render.render_variant(x)) for x in (v, _k64(v)))
+    x, w, ids = make_tokens(case, DEVICE)
+    out = blocked.fused_experts(x, *blocked.prepare_weights(*weights), w, ids)
+    assert torch.equal(out, rows.fused_experts(x, *weights, w, ids))
+    assert not error_stats(out, moe_reference(x, *weights, w, ids)).failures(BAR)
+
+
 def test_the_space_keeps_k64_to_whole_blocks():
     case = Case(SHAPE, 37)
     tma128 = space.violations(_k64(small_variant(tma=True, bk=128)), Case(Shape(4, 256, 128, 2, SHAPE.dtype), 37))
