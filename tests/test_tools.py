@@ -1,5 +1,5 @@
-"""tools/ab.py, methods.py, same_ptx.py, padding.py, host.py, weight_stream.py, dram.py and lent_gpu.sh,
-as far as they run without a GPU."""
+"""tools/ab.py, methods.py, replay_sizing.py, same_ptx.py, padding.py, host.py, weight_stream.py, dram.py
+and lent_gpu.sh, as far as they run without a GPU."""
 
 import gzip
 import importlib.util
@@ -77,6 +77,27 @@ def test_methods_times_each_module_four_ways_after_checking_it(capsys):
                                     fused_experts=lambda *args, **kw: module.fused_experts(*args, **kw) * 2)
     assert methods.calls(state, doubled, case) == {}
     assert "fails the bar" in capsys.readouterr().out
+
+
+replay_sizing = _tool("replay_sizing")
+
+
+def test_replay_sizing_counts_from_the_first_lone_call_or_the_fastest(tmp_path, capsys):
+    """The stand-in gives time_fn's least-of-three the first call's time; on the CPU (the interpreter,
+    wall-clock timing) every round benches the module's rows, checked, and timing's own is restored."""
+    from autotune import render, timing
+    from autotune.workloads import Shape
+
+    lone = iter([9.0, 1.0, 1.0, 2.0])
+    first = replay_sizing.sized_by_first_call(lambda fn: next(lone))
+    assert min(first(None) for _ in range(3)) == 9.0 and first(None) == 1.0
+    own = timing._one_call_ms
+    shape = Shape(4, 64, 32, 2, "float32")
+    module = render.load_source(render.render_variant(small_variant()))
+    out = replay_sizing.compare(module.__file__, [Case(shape, 3), Case(shape, 5)])
+    assert list(out) == list(replay_sizing.ROUNDS) and timing._one_call_ms is own
+    assert all([c["T"] for c in rows] == [3, 5] and all(c["ours"]["ok"] for c in rows) for rows in out.values())
+    assert "calls a sample" in capsys.readouterr().out
 
 
 same_ptx = _tool("same_ptx")
