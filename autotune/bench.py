@@ -10,6 +10,7 @@ loaded). Under the interpreter the code paths run on tiny sizes and the numbers 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -27,20 +28,25 @@ from .reference import error_stats, moe_reference
 from .timing import SmClockSampler, Timing, kernel_breakdown, time_fn
 from .workloads import Case, experts_touched, make_tokens, make_weights
 
+# Untimed calls before each entry's timing. The first case after the weights are made and prepared ran
+# slow for its first ~25 ms of calls (NOTES 95: seed16 T=1 x1.17 on an H100, where the same case later in
+# the process did not), which an unsettled T=1 timing (~20-40 ms of calls) sits in; 50 ms clears it. Far
+# short of the tuner's SETTLE_MS, which times in the power cap's state.
+BENCH_SETTLE_MS = 50.0
 
-def _time(fn, *, graph: bool, reps: int, warmup: int) -> Timing:
+
+def _time(fn, *, graph: bool, reps: int, warmup: int, settle_ms: float = 0.0) -> Timing:
     """time_fn in a CUDA graph when `graph`, falling back to plain events if capture fails."""
     if graph:
         try:
-            return time_fn(fn, reps=reps, warmup=warmup, graph=True)
+            return time_fn(fn, reps=reps, warmup=warmup, graph=True, settle_ms=settle_ms)
         except RuntimeError as exc:
             print(f"[bench] CUDA graph capture failed ({str(exc)[:120]}); timing without it",
                   file=sys.stderr, flush=True)
-    return time_fn(fn, reps=reps, warmup=warmup, graph=False)
+    return time_fn(fn, reps=reps, warmup=warmup, graph=False, settle_ms=settle_ms)
 
 
-def _measure(fn, args, ref_TH, case: Case, floor: float, bytes_moved: int, *, graph: bool, reps: int,
-             warmup: int) -> dict:
+def _measure(fn, args, ref_TH, case: Case, floor: float, bytes_moved: int, *, graph: bool, timer) -> dict:
     """Run once, check against the reference, and only then time. A failing output gets no time."""
     entry = {"ok": False, "failures": [], "error": None, "ms": None, "timing": None,
              "pct_sol": None, "tflops": None, "tbps": None}
@@ -58,7 +64,7 @@ def _measure(fn, args, ref_TH, case: Case, floor: float, bytes_moved: int, *, gr
         return entry
     del out_TH
     with SmClockSampler() as clock:
-        timing = _time(lambda: fn(*args), graph=graph, reps=reps, warmup=warmup)
+        timing = timer(lambda: fn(*args), graph=graph)
     sec = timing.median_ms * 1e-3
     entry.update(ok=True, ms=timing.median_ms, timing=timing.as_dict(), pct_sol=floor / timing.median_ms * 100,
                  tflops=case.flops / sec / 1e12, tbps=bytes_moved / sec / 1e12, sm_clock_mhz=clock.summary(),
@@ -66,7 +72,7 @@ def _measure(fn, args, ref_TH, case: Case, floor: float, bytes_moved: int, *, gr
     return entry
 
 
-def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, reps, warmup, variant_for=None,
+def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, timer, variant_for=None,
                 prepared=None) -> dict:
     """One row: reference, experts touched, floor, then ours and each peer checked and timed (and,
     given the variant that serves T, the rows each of our GEMMs computes). Ours takes `prepared`,
@@ -79,8 +85,7 @@ def _bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, peers, reps, war
     floor, nbytes = floor_ms(case, touched, ceilings), case.bytes_moved(touched)
     row = {"key": case.key, "case": case.as_dict(), "T": case.T, "experts_touched": touched,
            "bytes": nbytes, "flops": case.flops, "floor_ms": floor}
-    measure = lambda fn, graph, args=args: _measure(fn, args, ref_TH, case, floor, nbytes, graph=graph, reps=reps,
-                                                    warmup=warmup)
+    measure = lambda fn, graph, args=args: _measure(fn, args, ref_TH, case, floor, nbytes, graph=graph, timer=timer)
     row["ours"] = measure(fused_experts, True, ours_args)
     if variant_for is not None:
         row["ours"]["rows_computed"] = list(space.rows_computed(variant_for(case.T), ids_TK, case.shape.E))
@@ -142,7 +147,8 @@ def _prepare(prepare_weights, w13_EnH, w2_EHI, shape) -> tuple[tuple, dict]:
 
 
 def run_bench(fused_experts, cases: list[Case], *, peers: bool = True, ceilings: Ceilings | None = None,
-              reps: int = 20, warmup: int = 3, variant_for=None, prepare_weights=None) -> dict:
+              reps: int = 20, warmup: int = 3, settle_ms: float = BENCH_SETTLE_MS, variant_for=None,
+              prepare_weights=None) -> dict:
     """Benchmark `fused_experts` (the op's signature) on `cases` against the floor and the peers.
     `variant_for(T)`, where given (an emitted module's select_variant), names the variant that serves
     T, so that each row also records the rows our GEMMs compute (space.rows_computed). Where the
@@ -151,10 +157,12 @@ def run_bench(fused_experts, cases: list[Case], *, peers: bool = True, ceilings:
 
     Weights: make_weights(shape, device, seed=0), once per Shape; tokens: make_tokens(case). Every
     output is checked against moe_reference before it is timed. Returns a JSON-serialisable dict:
-    fingerprint, date, ceilings, peers, one row per case, and means over the cases.
+    fingerprint, date, ceilings, peers, one row per case, and means over the cases. Every entry (ours
+    and each peer's) is timed after `settle_ms` of untimed calls.
     """
     ceilings = ceilings or measure_ceilings(reps=reps)
     used = PEERS if peers else ()
+    timer = functools.partial(_time, reps=reps, warmup=warmup, settle_ms=settle_ms)
     rows, prepare_records = [], []
     for shape in dict.fromkeys(c.shape for c in cases):
         w13_EnH, w2_EHI = make_weights(shape, target.device(), seed=0)
@@ -165,7 +173,7 @@ def run_bench(fused_experts, cases: list[Case], *, peers: bool = True, ceilings:
             print(f"[bench] prepare_weights ({shape.key}): {record['ms']:.1f} ms, once (not in any case's time)",
                   file=sys.stderr, flush=True)
         for case in (c for c in cases if c.shape == shape):
-            rows.append(_bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, used, reps, warmup,
+            rows.append(_bench_case(fused_experts, case, w13_EnH, w2_EHI, ceilings, used, timer,
                                     variant_for, prepared))
             _progress(len(rows), len(cases), rows[-1])
         del w13_EnH, w2_EHI, prepared
