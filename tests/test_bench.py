@@ -169,6 +169,15 @@ def test_run_bench_table_and_json(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_every_entry_is_timed_after_the_bench_settle(monkeypatch):
+    """Ours and each peer: time_fn is asked for BENCH_SETTLE_MS of untimed calls (NOTES 95)."""
+    asked = []
+    real = bench.time_fn
+    monkeypatch.setattr(bench, "time_fn", lambda fn, **kw: asked.append(kw["settle_ms"]) or real(fn, **kw))
+    result = _tiny_bench(peers.grouped_mm_pipeline)
+    assert len(asked) == 3 * len(result["cases"]) and set(asked) == {bench.BENCH_SETTLE_MS}
+
+
 def test_wrong_output_is_flagged_not_timed(tmp_path):
     zeros = lambda x, w13, w2, w, ids: torch.zeros_like(x)
     result = _tiny_bench(zeros)
