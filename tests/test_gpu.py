@@ -460,19 +460,26 @@ def test_graph_replays_match_launches():
         assert _graphs(module) == 4 * len([t for t in (1, 2, 7, 8) if t <= T]), (T, _graphs(module))
 
 
+def _replaying(T: int):
+    """A graph module and Qwen inputs of T tokens whose key has run eagerly, been captured and replayed:
+    its next call replays."""
+    module = _graph_module()
+    dev = target.device()
+    w13, w2 = make_weights(QWEN, dev, seed=3)
+    x, w, ids = make_tokens(Case(QWEN, T, "uniform", seed=1), dev)
+    for _ in range(3):  # eager, captured, replayed
+        module.fused_experts(x, w13, w2, w, ids)
+    torch.cuda.synchronize()
+    assert _graphs(module) == 1
+    return module, (x, w13, w2, w, ids)
+
+
 def test_a_replay_of_dense_inputs_runs_two_kernels_beside_its_graph():
     """A replayed call of dense inputs stages all three in one byte copy and copies the output out:
     two kernels of torch's besides the graph's own (triton's, named after the module's functions)."""
     from torch.profiler import ProfilerActivity, profile
 
-    module = _graph_module()
-    dev = target.device()
-    w13, w2 = make_weights(QWEN, dev, seed=3)
-    x, w, ids = make_tokens(Case(QWEN, 2, "uniform", seed=1), dev)
-    for _ in range(3):  # eager, captured, replayed
-        module.fused_experts(x, w13, w2, w, ids)
-    torch.cuda.synchronize()
-    assert _graphs(module) == 1
+    module, (x, w13, w2, w, ids) = _replaying(2)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         module.fused_experts(x, w13, w2, w, ids)
         torch.cuda.synchronize()
@@ -480,19 +487,14 @@ def test_a_replay_of_dense_inputs_runs_two_kernels_beside_its_graph():
     torch_kernels = [name for name in kernels if not name.startswith("_")]
     assert len(torch_kernels) == 2 and len(kernels) > 2, kernels
 
+
 def test_kernel_breakdown_profiles_a_replaying_call_by_its_launches():
     """A call the module would replay from its own graph: the bench's breakdown shows its kernels
     launched one by one (timing.own_launches), not the replay's copies (torch's kernels) nor kernels
     whose time counts a PDL wait (NOTES 93)."""
     from autotune import timing
 
-    module = _graph_module()
-    dev = target.device()
-    w13, w2 = make_weights(QWEN, dev, seed=3)
-    x, w, ids = make_tokens(Case(QWEN, 1, "uniform", seed=1), dev)
-    for _ in range(3):  # eager, captured, replayed
-        module.fused_experts(x, w13, w2, w, ids)
-    assert _graphs(module) == 1
+    module, (x, w13, w2, w, ids) = _replaying(1)
     kernels = timing.kernel_breakdown(lambda: module.fused_experts(x, w13, w2, w, ids))
     assert kernels and all(k["name"].startswith("_") for k in kernels), kernels
 

@@ -26,18 +26,23 @@ def weights():
     return make_weights(SHAPE, DEVICE, seed=2)
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_every_form_reads_the_k_blocked_copy_exactly(form, weights):
-    """Same tiles, same order along K, other addresses: the output is the row-major one bit for bit (a
-    kernel that read a wrong element of the copy could not match it), and within the bar."""
-    v = small_variant(*form, bk=64)
-    case = Case(SHAPE, 3 if form[0] == "direct" else 37, seed=5)
+def _assert_reads_the_copy_exactly(v, case, weights):
+    """v's k64 form, on the copy prepare_weights makes, gives v's row-major output bit for bit (a kernel
+    that read a wrong element of the copy could not match it), and within the bar."""
     assert not space.violations(_k64(v), case)
     rows, blocked = (render.load_source(render.render_variant(x)) for x in (v, _k64(v)))
     x, w, ids = make_tokens(case, DEVICE)
     out = blocked.fused_experts(x, *blocked.prepare_weights(*weights), w, ids)
     assert torch.equal(out, rows.fused_experts(x, *weights, w, ids))
     assert not error_stats(out, moe_reference(x, *weights, w, ids)).failures(BAR)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_reads_the_k_blocked_copy_exactly(form, weights):
+    """Same tiles, same order along K, other addresses: the row-major output, bit for bit."""
+    v = small_variant(*form, bk=64)
+    case = Case(SHAPE, 3 if form[0] == "direct" else 37, seed=5)
+    _assert_reads_the_copy_exactly(v, case, weights)
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +103,7 @@ def test_pointer_loads_step_two_blocks_at_a_time(form):
     shape = Shape(4, 256, 128, 2, SHAPE.dtype)
     v = small_variant(*form, bk=128)
     case = Case(shape, 21, seed=1)
-    assert not space.violations(_k64(v), case)
-    weights = make_weights(shape, DEVICE, seed=3)
-    rows, blocked = (render.load_source(render.render_variant(x)) for x in (v, _k64(v)))
-    x, w, ids = make_tokens(case, DEVICE)
-    out = blocked.fused_experts(x, *blocked.prepare_weights(*weights), w, ids)
-    assert torch.equal(out, rows.fused_experts(x, *weights, w, ids))
+    _assert_reads_the_copy_exactly(v, case, make_weights(shape, DEVICE, seed=3))
 
 
 @pytest.mark.parametrize("form", [("fused", "fused", False, False), ("split", "fused", True, False),
@@ -115,12 +115,7 @@ def test_swapped_tails_read_the_k_blocked_copy_exactly(form, weights):
     v = dataclasses.replace(small_variant(*form, half_tail=True, pair_tail=True, block_m=64, bk=64),
                             g1_swap_tail=16, g2_swap_tail=16)
     case = Case(SHAPE, 140, seed=140)
-    assert not space.violations(_k64(v), case)
-    rows, blocked = (render.load_source(render.render_variant(x)) for x in (v, _k64(v)))
-    x, w, ids = make_tokens(case, DEVICE)
-    out = blocked.fused_experts(x, *blocked.prepare_weights(*weights), w, ids)
-    assert torch.equal(out, rows.fused_experts(x, *weights, w, ids))
-    assert not error_stats(out, moe_reference(x, *weights, w, ids)).failures(BAR)
+    _assert_reads_the_copy_exactly(v, case, weights)
 
 
 def test_the_space_keeps_k64_to_whole_blocks():
