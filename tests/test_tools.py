@@ -259,7 +259,7 @@ def _stub_machine(tmp_path: Path) -> tuple[Path, dict]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
-        "nvidia-smi": "#!/bin/sh\necho 'stand-in GPU, 700.00 W, 1980 MHz'\n",
+        "nvidia-smi": "#!/bin/sh\necho \"${STUB_GPU:-NVIDIA H200 stand-in}, 700.00 W, 1980 MHz\"\n",
         "python3": f"""#!/bin/sh
 shift; code=$1; shift
 case "$code" in *autotune.cli*) ;; *) exit 0 ;; esac
@@ -320,6 +320,21 @@ def test_lent_gpu_skips_a_sweep_of_no_seconds_and_benches_skew_on_request(tmp_pa
     assert [c.split()[0] for c in calls] == ["tune", "show", "emit", "bench", "check", "bench"]
     assert calls[0].startswith("tune --routing zipf --tokens 128,256 ")
     assert calls[-1] == f"bench --routing zipf --json {tmp_path / 'out' / 'skew' / 'committed.zipf.bench.json'}"
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
+@pytest.mark.parametrize("any_gpu", ["0", "1"])
+def test_lent_gpu_runs_nothing_on_a_card_that_is_not_an_h200_unless_told(tmp_path, any_gpu):
+    repo, env = _stub_machine(tmp_path)
+    env.update(STUB_GPU="NVIDIA H100 80GB HBM3", ANY_GPU=any_gpu, TL1="0", TL2="0")
+    done = subprocess.run(["bash", str(repo / "tools" / "lent_gpu.sh"), "tune"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    if any_gpu == "1":
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "calls").read_text().split()[0] == "show"
+    else:
+        assert done.returncode == 3 and "not an H200: NVIDIA H100 80GB HBM3" in done.stderr
+        assert not (tmp_path / "calls").exists()
 
 
 @pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")

@@ -15,7 +15,8 @@
 # default k64 with and without group_by_expert, NOTES 83 and 89), EXTRA_T and EXTRA_PROBES (one token
 # count and its further probes, `;`-separated, tuned with what time is left), BTL and CTL (the
 # bench's and the check's seconds), SKEW=1 (finish also benches the module under zipf routing, into
-# skew/ beside km/). Wheels in ./.whl (optuna, SQLAlchemy and their dependencies;
+# skew/ beside km/), ANY_GPU=1 (run on a card that is not an H200; otherwise exit 3 before any step).
+# Wheels in ./.whl (optuna, SQLAlchemy and their dependencies;
 # ./.whl/plot for matplotlib) are installed first where the machine lacks them and has no network.
 set -u
 stage=${1:?usage: lent_gpu.sh tune|finish|all}
@@ -35,7 +36,14 @@ t0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
 # `moe-tune` without installing the package (the lent machine may have no build tools), under a limit.
 mt() { local limit=$1; shift; timeout "$limit" python3 -c 'import sys; from autotune.cli import main; sys.exit(main())' "$@"; }
-nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+gpu=$(nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | head -1)
+echo "$gpu"
+# The seed16 module, its database rows and its bench are the H200's: on another card tune would open
+# that card's studies and emit would find no leader (a lender asked for an H200 may hand out an H100).
+case $gpu in
+  *H200*) ;;
+  *) [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200: $gpu; nothing run (ANY_GPU=1 runs anyway)" >&2; exit 3; } ;;
+esac
 module=kernels_generated/h200_sm90_e256_h4096_i2048_k8_bfloat16
 
 tune_stage() {
