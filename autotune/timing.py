@@ -104,8 +104,7 @@ def time_fn(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3, graph:
         run()
         method = "cuda-events"
     if settle_ms > 0:
-        for _ in range(math.ceil(settle_ms / max(inner * single_ms, 1e-3))):
-            run()
+        _settle(run, settle_ms)
         method += f", settled {settle_ms:.0f} ms"
     torch.cuda.synchronize()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
@@ -116,6 +115,23 @@ def time_fn(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3, graph:
     torch.cuda.synchronize()
     samples = [a.elapsed_time(b) / inner for a, b in pairs]
     return _summary(samples, method, inner)
+
+
+def _settle(run: Callable[[], object], settle_ms: float) -> None:
+    """Runs `run` untimed until settle_ms have passed: once to learn how long a run takes, then as
+    many runs as the rest of the time needs, measured again until it is spent. Counting the runs from
+    a call timed alone (as time_fn did) cut the settle to a few runs wherever that call was slow, and
+    left the timing in the state the settle is there to end (NOTES 98)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    runs, batch, spent_ms = 0, 1, 0.0
+    while spent_ms < settle_ms:
+        for _ in range(batch):
+            run()
+        torch.cuda.synchronize()
+        runs += batch
+        spent_ms = (time.perf_counter() - start) * 1e3
+        batch = math.ceil((settle_ms - spent_ms) * runs / max(spent_ms, 1e-6)) if spent_ms < settle_ms else 0
 
 
 def _one_call_ms(fn: Callable[[], object]) -> float:

@@ -299,6 +299,20 @@ def test_wall_clock_timing_times_one_call_a_sample():
     assert t.method == "wall-clock" and t.calls_per_sample == 1 and len(t.samples_ms) == 4
 
 
+@pytest.mark.parametrize("run_ms", [0.5, 4.0])
+def test_the_settle_lasts_its_time_whatever_one_run_takes(monkeypatch, run_ms):
+    """time_fn's settle runs for settle_ms by the clock, however long a run is, and not much longer
+    (NOTES 98: counted from a slow lone call, it had shrunk to a few runs)."""
+    import time
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    runs = []
+    start = time.perf_counter()
+    timing._settle(lambda: (runs.append(1), time.sleep(run_ms / 1e3)), 40.0)
+    spent_ms = (time.perf_counter() - start) * 1e3
+    assert 40.0 <= spent_ms < 80.0 and len(runs) > 1
+
+
 @gpu
 @needs_cuda
 def test_gpu_time_fn_sizes_its_replays_past_one_slow_call():
