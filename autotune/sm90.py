@@ -255,6 +255,32 @@ def _compile_here(v: dict, case: dict) -> list[dict]:
     return reports
 
 
+def dispatch_kernels_compiled(v: Variant) -> list[str]:
+    """Compile the dispatch kernels of `v`'s module for sm_90, with every optional map they can write
+    switched on (the interpreter runs these kernels, but it does not check what only the compiler
+    rejects); the names of the kernels compiled."""
+    return in_child_process("autotune.sm90:_compile_dispatch_here", v.as_dict())
+
+
+def _compile_dispatch_here(v: dict) -> list[str]:
+    module = render.load_source(render.render_variant(Variant.from_dict(v)))
+    constexprs = {"CHUNK": module._DISPATCH_CHUNK, "E_POW2": 256, "BLOCK_M": v["block_m"],
+                  "MAP_BLOCKS": module._MAP_BLOCKS, "PDL": True, "SPANS": True, "WALK_LISTS": True,
+                  "INVERSE": True, "HOT": 1}
+    names = []
+    for name in ("_dispatch_single_kernel", "_dispatch_place_kernel"):
+        fn = getattr(module, name)
+        signature, given = {}, {}
+        for i, arg in enumerate(fn.arg_names):
+            if i in fn.constexprs:
+                signature[arg], given[(i,)] = "constexpr", constexprs[arg]
+            else:
+                signature[arg] = "*i32" if arg.endswith("_ptr") else "i32"
+        compile_sm90(fn, signature, given, num_warps=4, num_stages=1)
+        names.append(name)
+    return names
+
+
 if __name__ == "__main__":
     module_name, function_name = sys.argv[1].split(":")
     result = getattr(importlib.import_module(module_name), function_name)(*json.loads(sys.argv[2]))

@@ -224,3 +224,15 @@ def test_expert_groups_compile_to_the_same_tiles(gluon1, half):
         ours = _gluon_report(grouped, case, which) if (which == 2 or gluon1) else sm90.gemm_reports(grouped, case)[0]
         assert ours.name == plain.name and ours.wgmma_shapes == plain.wgmma_shapes
         assert ours.shared_bytes == plain.shared_bytes and ours.spill_bytes in (0, None)
+
+
+@pytest.mark.parametrize("v", [
+    small_variant(dispatch="split", tma=True, persistent=True, half_tail=True, tail_walk=True, block_m=64, bn=64,
+                  bk=64),
+    dataclasses.replace(small_variant(block_m=64, bn=64, bk=64), group_by_expert=True),
+    small_variant(dispatch="split", by_token=True, block_m=64, bn=64, bk=64),
+], ids=["tail-walk lists", "expert spans", "slot positions"])
+def test_dispatch_kernels_compile_for_sm90_with_each_optional_map(v):
+    """Each optional map dispatch writes (the walk lists, the expert spans, each slot's position)
+    compiles for Hopper, not only under the interpreter."""
+    assert sm90.dispatch_kernels_compiled(v) == ["_dispatch_single_kernel", "_dispatch_place_kernel"]
