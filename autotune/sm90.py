@@ -270,12 +270,9 @@ def _compile_dispatch_here(v: dict) -> list[str]:
     names = []
     for name in ("_dispatch_single_kernel", "_dispatch_place_kernel"):
         fn = getattr(module, name)
-        signature, given = {}, {}
-        for i, arg in enumerate(fn.arg_names):
-            if i in fn.constexprs:
-                signature[arg], given[(i,)] = "constexpr", constexprs[arg]
-            else:
-                signature[arg] = "*i32" if arg.endswith("_ptr") else "i32"
+        given = {p.name: constexprs[p.name] for p in fn.params if p.is_constexpr}
+        signature = {arg: "constexpr" if arg in given else "*i32" if arg.endswith("_ptr") else "i32"
+                     for arg in fn.arg_names}
         compile_sm90(fn, signature, given, num_warps=4, num_stages=1)
         names.append(name)
     return names

@@ -131,7 +131,7 @@ def _settle(run: Callable[[], object], settle_ms: float) -> None:
         torch.cuda.synchronize()
         runs += batch
         spent_ms = (time.perf_counter() - start) * 1e3
-        batch = math.ceil((settle_ms - spent_ms) * runs / max(spent_ms, 1e-6)) if spent_ms < settle_ms else 0
+        batch = math.ceil((settle_ms - spent_ms) * runs / max(spent_ms, 1e-6))  # what is left, at the rate so far
 
 
 def _one_call_ms(fn: Callable[[], object]) -> float:
