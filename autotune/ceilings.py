@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import target
+from .reference import rel_l2
 from .timing import SmClockSampler, time_fn
 from .workloads import Case
 
@@ -143,7 +144,7 @@ def _checked_rate(name: str, launch_factory, c_ours, c_ref, flops: int, reps: in
     try:
         launch = launch_factory()
         launch()
-        rel = float((c_ours.float() - c_ref.float()).norm() / c_ref.float().norm())
+        rel = rel_l2(c_ours, c_ref)
         if not rel <= GEMM_REL_L2_BAR:
             return None, f"{name} rejected: relative L2 {rel:.2e} vs torch.matmul"
         return flops / (time_fn(launch, reps=reps).median_ms * 1e-3), f"{name} relative L2 vs torch.matmul {rel:.2e}"

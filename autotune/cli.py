@@ -301,12 +301,14 @@ def cmd_sm90(args) -> int:
 
 
 def _case_args(p: argparse.ArgumentParser) -> None:
+    from .workloads import DTYPES, ROUTINGS
+
     p.add_argument("--shape", help="E,H,I,k of a model (default: seed16 on a GPU, a tiny demo on the CPU)")
     p.add_argument("--tokens", help="token counts, e.g. 1,16,512 (default: the suite's)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES),
                    help="dtype of the activations and weights with --shape (default bfloat16, which the "
                    "interpreter on a CPU cannot run: pass float16 there)")
-    p.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
+    p.add_argument("--routing", default="uniform", choices=ROUTINGS)
     p.add_argument("--db", help="SQLAlchemy URL or SQLite file path (default: this machine's under db/)")
 
 
@@ -328,8 +330,10 @@ def _positive(kind):
 
 
 def parser() -> argparse.ArgumentParser:
+    from .runner import TRIAL_TIMEOUT_S
     from .space import PARAM_BY_NAME
     from .timing import SETTLE_MS
+    from .workloads import ROUTINGS
 
     ap = argparse.ArgumentParser(prog="moe-tune", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -351,7 +355,8 @@ def parser() -> argparse.ArgumentParser:
                    help="device time each trial runs untimed before "
                    "its timing, so that every contender is timed in the state sustained load leaves the GPU in "
                    f"(default {SETTLE_MS:.0f}; 0: none)")
-    p.add_argument("--timeout", type=_positive(float), default=900.0, help="seconds before a trial counts as hung")
+    p.add_argument("--timeout", type=_positive(float), default=TRIAL_TIMEOUT_S,
+                   help="seconds before a trial counts as hung")
     p.add_argument("--in-process", action="store_true", help="no worker process (a GPU fault ends the run)")
     p.add_argument("--probe", action="append", default=[], metavar="PARAM=VALUE[,...]",
                    help="also try each case's best variant with these parameters set, first (repeatable)")
@@ -370,7 +375,7 @@ def parser() -> argparse.ArgumentParser:
                    "h200_sm90_e256_h4096_i2048_k8_bfloat16)")
     p.add_argument("--out-dir", help="where the module goes (default: kernels_generated/)")
     p.add_argument("--fingerprint", help="machine fingerprint to emit for (default: this machine's)")
-    p.add_argument("--hot-routing", choices=("uniform", "zipf"),
+    p.add_argument("--hot-routing", choices=ROUTINGS,
                    help="routing-adaptive rows: where a case was also tuned under this routing (e.g. zipf), "
                    "its leader runs the experts routed many rows")
     p.add_argument("--weight-layout", choices=("auto", *PARAM_BY_NAME["weight_layout"].choices), default="auto",

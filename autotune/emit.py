@@ -242,6 +242,44 @@ def _table_line(lead: str, text: str, width: int = 120) -> list[str]:
                          break_on_hyphens=False)
 
 
+def _header(run, runs: list[int], tuned: list[Case], rows: list, best: dict, hot: dict, hot_routing: str | None,
+            missing: list[int], weight_layout: str, layout_why: str) -> list[str]:
+    """The emitted module's header lines: where and when its variants were tuned, each row's variant
+    and its time and %SOL at tuning time (and its hot partner's), how they were timed, and the weight
+    layout it reads and why."""
+    shape = tuned[0].shape
+    header = [
+        f"Tuned by moe-tune {__version__} on {run.gpu} (compute capability {run.capability}), "
+        f"driver {run.driver}, CUDA {run.cuda},",
+        f"torch {run.torch}, triton {run.triton}; emitted {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC "
+        f"from database run(s) {', '.join(map(str, runs))}.",
+        f"Shape: E={shape.E} H={shape.H} I={shape.I} k={shape.k} {shape.dtype}, {tuned[0].routing} routing.",
+        "Measured per case at tuning time (median of the timed repeats, by the method named below; %SOL",
+        "against the floor from the ceilings measured in the same run):",
+        "",
+        f"    {'T':>6} {'ms':>9} {'%SOL':>6}  variant",
+    ]
+    for c, row in zip(tuned, rows, strict=True):
+        t = best[c.key]
+        sol = f"{100 * t.floor_ms / t.median_ms:.1f}%" if t.floor_ms else "n/a"
+        header += _table_line(f"    {c.T:>6} {t.median_ms:9.4f} {sol:>6}  ", t.label)
+        if c.key in hot:
+            h = hot[c.key]
+            header += _table_line(f"    {'':>6} {h.median_ms:9.4f} {'':>6}  ",
+                                  f"{hot_routing}, experts >= {row.hot_rows} rows: {h.label}")
+    methods: dict[str, list[int]] = {}
+    for c in tuned:
+        methods.setdefault(best[c.key].timing_method or "unrecorded", []).append(c.T)
+    header += textwrap.wrap("Timing method: " + "; ".join(f"{m} (T = {', '.join(map(str, ts))})"
+                                                        for m, ts in methods.items()) + ".", 100)
+    if missing:
+        header.append(f"Not tuned (served by the nearest row): T = {', '.join(map(str, missing))}.")
+    if weight_layout != "rows":
+        header.append(f"Weight layout: {weight_layout}; pass the weights through prepare_weights once (see below).")
+    header += textwrap.wrap(layout_why, 100)
+    return header
+
+
 def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None = None,
          out_dir: Path = OUT_DIR, hot_routing: str | None = None, log=lambda m: None,
          weight_layout: str = "auto") -> Path:
@@ -287,35 +325,7 @@ def emit(session: Session, fingerprint: str, cases: list[Case], name: str | None
     shape = tuned[0].shape
     runs = sorted({t.run_id for t in [*best.values(), *hot.values()]})
     run = db.run_of(session, runs[-1])
-    header = [
-        f"Tuned by moe-tune {__version__} on {run.gpu} (compute capability {run.capability}), "
-        f"driver {run.driver}, CUDA {run.cuda},",
-        f"torch {run.torch}, triton {run.triton}; emitted {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC "
-        f"from database run(s) {', '.join(map(str, runs))}.",
-        f"Shape: E={shape.E} H={shape.H} I={shape.I} k={shape.k} {shape.dtype}, {tuned[0].routing} routing.",
-        "Measured per case at tuning time (median of the timed repeats, by the method named below; %SOL",
-        "against the floor from the ceilings measured in the same run):",
-        "",
-        f"    {'T':>6} {'ms':>9} {'%SOL':>6}  variant",
-    ]
-    for c, row in zip(tuned, rows, strict=True):
-        t = best[c.key]
-        sol = f"{100 * t.floor_ms / t.median_ms:.1f}%" if t.floor_ms else "n/a"
-        header += _table_line(f"    {c.T:>6} {t.median_ms:9.4f} {sol:>6}  ", t.label)
-        if c.key in hot:
-            h = hot[c.key]
-            header += _table_line(f"    {'':>6} {h.median_ms:9.4f} {'':>6}  ",
-                                  f"{hot_routing}, experts >= {row.hot_rows} rows: {h.label}")
-    methods: dict[str, list[int]] = {}
-    for c in tuned:
-        methods.setdefault(best[c.key].timing_method or "unrecorded", []).append(c.T)
-    header += textwrap.wrap("Timing method: " + "; ".join(f"{m} (T = {', '.join(map(str, ts))})"
-                                                        for m, ts in methods.items()) + ".", 100)
-    if missing:
-        header.append(f"Not tuned (served by the nearest row): T = {', '.join(map(str, missing))}.")
-    if weight_layout != "rows":
-        header.append(f"Weight layout: {weight_layout}; pass the weights through prepare_weights once (see below).")
-    header += textwrap.wrap(layout_why, 100)
+    header = _header(run, runs, tuned, rows, best, hot, hot_routing, missing, weight_layout, layout_why)
     path = module_path(fingerprint, shape.key, out_dir, name)
     gpu = _tuned_gpu(run.gpu, run.capability, tuned[0])
     graphed, why = graph_tokens([(c.T, r.max_tokens, best[c.key].median_ms) for c, r in zip(tuned, rows, strict=True)])

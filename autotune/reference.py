@@ -94,6 +94,12 @@ class ErrorStats:
         return bad
 
 
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| over the whole tensor, in fp32: a GEMM's result against torch.matmul's
+    (NaN where `out` holds one, so `not rel <= bar` rejects it)."""
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
 def error_stats(out_TH: torch.Tensor, ref_TH: torch.Tensor) -> ErrorStats:
     """Relative errors of `out_TH` against the reference, in float64.
 

@@ -17,13 +17,16 @@ import torch
 import triton
 
 from . import render, target
-from .reference import BAR, error_stats, moe_reference
+from .reference import BAR, ErrorStats, error_stats, moe_reference
 from .timing import time_fn
 from .workloads import Case, experts_touched, make_tokens, make_weights
 
 # Verification uses inputs drawn apart from the timed ones: a fresh weight seed and token seed.
 VERIFY_WEIGHT_SEED = 1
 VERIFY_TOKEN_OFFSET = 7919
+# Seconds before a trial counts as hung, generous: a trial's first call compiles all of its kernels,
+# and a shape's first trial also builds its inputs and the fp32 reference.
+TRIAL_TIMEOUT_S = 900.0
 # Errors after which the CUDA context cannot be trusted: the worker exits after reporting.
 _FATAL_MARKERS = ("illegal memory access", "unspecified launch failure", "device-side assert", "CUDA error")
 
@@ -38,8 +41,9 @@ class Result:
     experts_touched: int | None = None
 
 
-class _CaseState:
-    """Inputs and reference of the case being tuned; rebuilt only when the case changes."""
+class CaseState:
+    """Inputs and reference of the case being tuned; rebuilt only when the case changes. The runner's,
+    and every tool's that verifies a module before it times it, so all verify alike."""
 
     def __init__(self):
         self.shape = None
@@ -74,25 +78,31 @@ class _CaseState:
             self.prepared = render.weights_for(module, *self.weights), render.weights_for(module, *self.verify_weights)
         return self.prepared
 
-
-def evaluate(state: _CaseState, case: Case, source: str, reps: int, settle_ms: float = 0.0) -> Result:
-    """Render-to-number for one variant: compile (first call), verify, then time."""
-    try:
-        state.prepare(case)
-        module = render.load_source(source)
-        weights, verify_weights = state.weights_for(module)
-        x, w, ids = state.verify_tokens
+    def verify(self, module) -> tuple[tuple, ErrorStats, float]:
+        """Run `module` once on the verification inputs of the prepared case: the weights to time it
+        on (as it reads them), its error against the reference, and the seconds its first call took
+        (on a fresh module, mostly compiling its kernels). Raises what the call raises."""
+        weights, verify_weights = self.weights_for(module)
+        x, w, ids = self.verify_tokens
         t0 = time.perf_counter()
         out = module.fused_experts(x, *verify_weights, w, ids)
         if target.has_gpu():
             torch.cuda.synchronize()
-        compile_s = time.perf_counter() - t0
+        first_call_s = time.perf_counter() - t0
+        return weights, error_stats(out, self.reference), first_call_s
+
+
+def evaluate(state: CaseState, case: Case, source: str, reps: int, settle_ms: float = 0.0) -> Result:
+    """Render-to-number for one variant: compile (first call), verify, then time."""
+    try:
+        state.prepare(case)
+        module = render.load_source(source)
+        weights, stats, compile_s = state.verify(module)
     except (triton.CompilationError, triton.runtime.errors.OutOfResources) as exc:
         return Result("compile_error", _short(exc))
     except Exception as exc:  # a variant's failure is data, not the end of the run
         return Result("runtime_error", _short(exc))
 
-    stats = error_stats(out, state.reference)
     bad = stats.failures(BAR)
     if bad:
         return Result("wrong", "; ".join(bad), compile_s, stats.__dict__)
@@ -117,7 +127,7 @@ def _worker(conn) -> None:
     # worker does not print a traceback of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     target.quiet_interpreter()
-    state = _CaseState()
+    state = CaseState()
     while True:
         msg = conn.recv()
         if msg is None:
@@ -138,10 +148,11 @@ def _worker(conn) -> None:
 class Runner:
     """Evaluates variants in a worker process (or in this one with isolate=False, for tests)."""
 
-    def __init__(self, isolate: bool = True, timeout_s: float = 900.0, reps: int = 20, settle_ms: float = 0.0):
+    def __init__(self, isolate: bool = True, timeout_s: float = TRIAL_TIMEOUT_S, reps: int = 20,
+                 settle_ms: float = 0.0):
         self.isolate, self.timeout_s, self.reps, self.settle_ms = isolate, timeout_s, reps, settle_ms
         self._proc = self._conn = None
-        self._state = None if isolate else _CaseState()
+        self._state = None if isolate else CaseState()
 
     def _ensure_worker(self):
         if self._proc is None or not self._proc.is_alive():
@@ -152,7 +163,8 @@ class Runner:
             child.close()
 
     def _ask(self, msg):
-        """Send one request; None when the worker died or hung (it is then killed)."""
+        """Send one request; its reply, "timeout" when the worker hung, None when it died (either way it
+        is then killed)."""
         self._ensure_worker()
         try:
             self._conn.send(msg)

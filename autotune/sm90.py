@@ -32,6 +32,15 @@ _INDEX_POINTERS = {"sorted_slots_ptr", "block_expert_ptr", "block_rows_ptr", "nu
 _FP32_POINTERS = {"topk_weights_ptr"}
 
 
+# Every compile here targets Hopper, warp size 32, whatever GPU (or none) this machine has.
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def _pointer_type(arg: str, dt: str) -> str:
+    """The element type of pointer argument `arg` in a kernel whose activations are `dt`."""
+    return "*i32" if arg in _INDEX_POINTERS else "*fp32" if arg in _FP32_POINTERS else f"*{dt}"
+
+
 @dataclass(frozen=True)
 class KernelReport:
     name: str
@@ -51,8 +60,7 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
     """Argument types, constexprs and divisibility hints as the JIT would specialise them at launch."""
     dt = _TRITON_TYPES[case.shape.dtype]
     g = v.gemm(which)
-    n, k = ((case.shape.I if v.activation == "fused" else 2 * case.shape.I), case.shape.H) if which == 1 \
-        else (case.shape.H, case.shape.I)
+    n, k = v.gemm_dims(which, case.shape)
     constexprs = {"BLOCK_M": v.block_m, "BLOCK_N": g["BLOCK_N"], "BLOCK_K": g["BLOCK_K"],
                   "GROUP_M": g["GROUP_M"], "EVEN_K": k % g["BLOCK_K"] == 0, "PDL": v.pdl}
     if "TOP_K" in fn.arg_names:
@@ -94,8 +102,7 @@ def _signature(fn, case: Case, v: Variant, which: int) -> tuple[dict, dict, dict
             swap = getattr(v, f"g{which}_swap_tail") or v.block_m
             signature[arg] = f"tensordesc<{dt}[{swap}, {g['BLOCK_K']}]>" if rows_tma else f"*{dt}"
         elif arg.endswith("_ptr"):
-            signature[arg] = ("*i32" if arg in _INDEX_POINTERS else "*fp32" if arg in _FP32_POINTERS
-                              else f"*{dt}")
+            signature[arg] = _pointer_type(arg, dt)
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[arg] = "i32"
@@ -111,12 +118,12 @@ def compile_sm90(fn, signature: dict, constexprs: dict, attrs: dict | None = Non
     """triton.compile of a JIT function for sm_90 (warp size 32), whatever GPU this machine has."""
     return triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
+        target=SM90,
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
 
 
-def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+def resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     """(registers, local-memory bytes) from cuobjdump's resource usage, if the tool is there."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -170,7 +177,7 @@ def compile_gluon_sm90(fn, signature: dict, constexprs: dict, attrs: dict | None
     """triton.compile of a Gluon kernel for sm_90 (warp size 32), whatever GPU this machine has."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=SM90,
                           options={"num_warps": num_warps})
 
 
@@ -206,13 +213,12 @@ def _compile_gluon(fn, module, case: Case, v: Variant, which: int):
         signature[rows_desc] = gluon_descriptor_type(case.shape.dtype, row_box)
         signature[w_desc] = gluon_descriptor_type(case.shape.dtype, w_box)
     for arg in fn.arg_names:
-        signature.setdefault(arg, "constexpr" if arg in constexprs else "*i32" if arg in _INDEX_POINTERS
-                             else "*fp32" if arg == "topk_weights_ptr" else f"*{dt}" if arg.endswith("_ptr")
-                             else "i32")
+        signature.setdefault(arg, "constexpr" if arg in constexprs else _pointer_type(arg, dt)
+                             if arg.endswith("_ptr") else "i32")
     signature = {arg: signature[arg] for arg in fn.arg_names}
     # What the JIT would assume at launch: 16-aligned pointers, and integers it sees divisible by 16.
     s = case.shape
-    n, k = (s.I, s.H) if which == 1 else (s.H, s.I)
+    n, k = v.gemm_dims(which, s)
     ints = {"N": n, "K": k, "stride_xm": s.H, "stride_om": s.I, "stride_ym": s.H}
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if arg.endswith("_ptr") or ints.get(arg, 1) % 16 == 0}
@@ -245,7 +251,7 @@ def _compile_here(v: dict, case: dict) -> list[dict]:
         else:
             compiled = compile_triton(fn, case, v, which)
         ptx = compiled.asm["ptx"]
-        registers, spill = _resource_usage(compiled.asm["cubin"])
+        registers, spill = resource_usage(compiled.asm["cubin"])
         reports.append(KernelReport(
             name=fn.__name__, shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spill,
             wgmma=ptx.count("wgmma.mma_async"), tma_copies=ptx.count("cp.async.bulk.tensor"),

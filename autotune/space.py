@@ -279,6 +279,13 @@ class Variant:
             "persistent": getattr(self, p + "persistent"),
         }
 
+    def gemm_dims(self, which: int, shape) -> tuple[int, int]:
+        """GEMM `which`'s (N, K) on `shape`: GEMM1's N is I with the SwiGLU fused into it, 2I (gate and
+        up both written) without; GEMM2 maps I to H."""
+        if which == 1:
+            return (shape.I if self.activation == "fused" else 2 * shape.I), shape.H
+        return shape.H, shape.I
+
     def triton_form(self, which: int) -> tuple:
         """The key of GEMM `which`'s triton kernel in a module's _GEMM1 / _GEMM2 table (the forms
         render_module renders): the row route, activation, TMA and persistence for GEMM1; directness,
@@ -384,7 +391,7 @@ def _gemm_smem(block_m: int, block_n: int, block_k: int, stages: int, b_tiles: i
 
 def violations(v: Variant, case: Case) -> list[str]:
     """Why `v` cannot run `case` (empty when it can): checked before anything compiles."""
-    s = case.shape
+    s, d = case.shape, v.as_dict()  # d: the `when` predicates' view of v
     bad = []
     if v.direct:
         if v.dispatch != "fused":
@@ -395,29 +402,30 @@ def violations(v: Variant, case: Case) -> list[str]:
             bad.append("direct dispatch holds one row per block: block_m must be 16, the smallest")
         if v.g1_persistent or v.g2_persistent:
             bad.append("direct dispatch has no used-block count for a persistent GEMM to walk")
-    if v.half_tail and (v.direct or v.block_m < 32):
+    if v.half_tail and not _half_tail_can_run(d, case):
         bad.append("half_tail splits a row block of at least 32 rows (a dot needs 16), and never a direct one")
     for which in (1, 2):
         if getattr(v, f"g{which}_gluon"):
             bad += _gluon_violations(v, case, which)
     if v.g1_tma_store and not v.g1_gluon:
         bad.append("g1_tma_store is the Gluon GEMM1's epilogue: it needs g1_gluon")
-    if v.g1_tma_store and (s.I * s.elem_bytes) % 16:
-        bad.append(f"g1_tma_store writes h rows by TMA, which needs 16-byte rows; I={s.I} is not")
+    if v.g1_tma_store and (s.I * s.elem_bytes) % target.TMA_ALIGN_BYTES:
+        bad.append(f"g1_tma_store writes h rows by TMA, which needs {target.TMA_ALIGN_BYTES}-byte rows; I={s.I} is not")
     if v.permute_by_token and v.dispatch != "split":
         bad.append("permute_by_token is split dispatch's permutation: it needs dispatch=split")
     if v.g2_sorted_out and not v.g2_gluon:
         bad.append("g2_sorted_out is the Gluon GEMM2's epilogue: it needs g2_gluon")
-    if v.g2_sorted_out and (s.H * s.elem_bytes) % 16:
-        bad.append(f"g2_sorted_out writes y rows by TMA, which needs 16-byte rows; H={s.H} is not")
+    if v.g2_sorted_out and (s.H * s.elem_bytes) % target.TMA_ALIGN_BYTES:
+        bad.append(f"g2_sorted_out writes y rows by TMA, which needs {target.TMA_ALIGN_BYTES}-byte rows; "
+                   f"H={s.H} is not")
     if v.dynamic_walk and not (v.g1_gluon or v.g2_gluon):
         bad.append("dynamic_walk is how the Gluon GEMMs walk their tiles: it needs g1_gluon or g2_gluon")
     for which in (1, 2):
-        if getattr(v, f"g{which}_pair_tail") and not _pair_can_run(which)(v.as_dict(), case):
+        if getattr(v, f"g{which}_pair_tail") and not _pair_can_run(which)(d, case):
             bad.append(f"g{which}_pair_tail pairs half tails with the full block before them: it needs half_tail, "
                        f"no tail_walk, and g{which}_gluon off, or (GEMM1) on with dispatch=split and dynamic_walk")
         swap = getattr(v, f"g{which}_swap_tail")
-        if swap and not (_swap_can_run(which)(v.as_dict(), case) and swap < v.block_m // 2):
+        if swap and not (_swap_can_run(which)(d, case) and swap < v.block_m // 2):
             bad.append(f"g{which}_swap_tail runs a paired tail as a swapped dot narrower than block_m/2 rows: it "
                        f"needs g{which}_pair_tail and block_m >= 64, fewer rows than block_m/2, and the triton "
                        f"GEMM{which}")
@@ -432,19 +440,16 @@ def violations(v: Variant, case: Case) -> list[str]:
             elif g["BLOCK_K"] % K_BLOCK:
                 bad.append(f"weight_layout=k64 steps through whole {K_BLOCK}-column blocks: g{which}_block_k must be "
                            f"a multiple of {K_BLOCK}")
-    if v.group_by_expert and not _group_by_expert_can_run(v.as_dict(), case):
+    if v.group_by_expert and not _group_by_expert_can_run(d, case):
         bad.append("group_by_expert groups an expert's row blocks: not with direct dispatch (no blocks), tail "
                    "walks or pair tails (their walks keep the plain groups)")
-    if v.tail_walk and not (v.half_tail and (v.g1_persistent or v.g2_persistent)):
+    if v.tail_walk and not _tail_walk_can_run(d, case):
         bad.append("tail_walk is how a persistent GEMM runs half tails: it needs half_tail and a persistent GEMM")
     smem = target.smem_bytes()
-    fused_act = v.activation == "fused"
-    gemms = (
-        # (name, N, K, B tiles per step)
-        (1, s.I if fused_act else 2 * s.I, s.H, 2 if fused_act else 1),
-        (2, s.H, s.I, 1),
-    )
-    for which, n, k, b_tiles in gemms:
+    for which in (1, 2):
+        n, k = v.gemm_dims(which, s)
+        # B tiles per step: the fused GEMM1 loads a gate and an up tile of the same columns.
+        b_tiles = 2 if which == 1 and v.activation == "fused" else 1
         g = v.gemm(which)
         if g["BLOCK_K"] > max(16, _next_pow2(k)):
             bad.append(f"g{which}_block_k={g['BLOCK_K']} exceeds K={k}")
@@ -464,8 +469,8 @@ def violations(v: Variant, case: Case) -> list[str]:
             if g["BLOCK_K"] * s.elem_bytes > target.TMA_MAX_INNER_BYTES:
                 bad.append(f"g{which}_block_k={g['BLOCK_K']} is wider than a TMA box row "
                            f"({target.TMA_MAX_INNER_BYTES} B)")
-            if (k * s.elem_bytes) % 16:
-                bad.append(f"TMA needs 16-byte aligned weight rows; K={k} is not")
+            if (k * s.elem_bytes) % target.TMA_ALIGN_BYTES:
+                bad.append(f"TMA needs {target.TMA_ALIGN_BYTES}-byte aligned weight rows; K={k} is not")
     return bad
 
 

@@ -19,6 +19,8 @@ import triton
 HOPPER_SMEM_BYTES = 227 * 1024
 # With 128-byte shared-memory swizzling a TMA box row spans at most 128 bytes (64 bf16 elements).
 TMA_MAX_INNER_BYTES = 128
+# TMA moves global rows whose strides are multiples of 16 bytes (cuTensorMapEncodeTiled's rule).
+TMA_ALIGN_BYTES = 16
 # The interpreter has no shared-memory limit; use Hopper's so the CPU prunes what the GPU would.
 DEFAULT_SMEM_BYTES = HOPPER_SMEM_BYTES
 
@@ -53,6 +55,13 @@ def smem_bytes() -> int:
         return DEFAULT_SMEM_BYTES
     props = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
     return int(props["max_shared_mem"])
+
+
+def gpu_uuid() -> str | None:
+    """The current GPU's UUID (None where torch does not report one): what nvidia-smi names it by,
+    whatever CUDA_VISIBLE_DEVICES renumbers."""
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return None if uuid is None else str(uuid)
 
 
 @functools.lru_cache(maxsize=1)

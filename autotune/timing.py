@@ -46,6 +46,15 @@ class Timing:
         return asdict(self)
 
 
+def turns(names: list, r: int) -> list:
+    """The order the parties take in round r of an interleaved comparison: the list rotated by r, so
+    that over len(names) rounds each takes each turn alike. Under the power cap the turn can move a
+    time by itself (NOTES 76: at T=8192 the order of the parties moved them more than their kernels
+    did), and a fixed order would charge that to whichever party always came second."""
+    r %= max(len(names), 1)
+    return names[r:] + names[:r]
+
+
 def _summary(samples: list[float], method: str, calls: int = 1) -> Timing:
     ordered = sorted(samples)
     n = len(ordered)
@@ -196,9 +205,8 @@ def kernel_breakdown(fn: Callable[[], object], *, calls: int = 5) -> list[dict] 
 
 def _smi_id() -> str:
     """This process's GPU as nvidia-smi names it: by UUID, which CUDA_VISIBLE_DEVICES cannot renumber."""
-    index = torch.cuda.current_device()
-    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    return f"GPU-{uuid}" if uuid is not None else str(index)
+    uuid = target.gpu_uuid()
+    return f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
 
 
 class SmClockSampler:

@@ -21,7 +21,7 @@ from optuna.trial import TrialState
 from sqlalchemy.orm import Session
 
 from . import db, emit, render, search, space, target, timing
-from .runner import Runner
+from .runner import TRIAL_TIMEOUT_S, Runner
 from .workloads import Case
 
 # Rejected points (cannot compile or exceed shared memory) are cheap; cap them so a narrow space
@@ -47,7 +47,7 @@ class TuneConfig:
     reps: int = 20
     # Untimed load before each trial's timing (timing.time_fn): contenders timed in one card state.
     settle_ms: float = timing.SETTLE_MS
-    timeout_s: float = 900.0
+    timeout_s: float = TRIAL_TIMEOUT_S
     command: str = ""
     # Each case's leader is also tried with each of these assignments (e.g. {"g1_weight_tma": True}).
     probes: tuple[dict, ...] = ()
@@ -105,6 +105,12 @@ def _abandoned(t: optuna.trial.FrozenTrial, timeout_s: float) -> bool:
     return age_s > timeout_s + STALE_MARGIN_S
 
 
+def _close_interrupted(study: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
+    """Close `t` as failed and marked interrupted: it does not count towards the target."""
+    study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+    study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+
+
 def _fail_stale(study: optuna.Study, timeout_s: float) -> None:
     """Trials left RUNNING by an interrupted run are closed as failed, marked interrupted (they do
     not count towards the target) and their point is queued again. Trials other workers are running
@@ -112,8 +118,7 @@ def _fail_stale(study: optuna.Study, timeout_s: float) -> None:
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if not _abandoned(t, timeout_s):
             continue
-        study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
-        study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        _close_interrupted(study, t)
         if t.params:
             study.enqueue_trial(t.params)
 
@@ -140,8 +145,7 @@ def _take_waiting(study: optuna.Study) -> list[dict]:
                 continue
         except optuna.exceptions.UpdateFinishedTrialError:
             continue
-        study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
-        study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        _close_interrupted(study, t)
         points.append(t.system_attrs["fixed_params"])
     return points
 
@@ -196,18 +200,7 @@ def _tune_case(case, cfg, fp, storage, session, runner, run, ceilings, deadline,
     if not study.get_trials(deepcopy=False):
         for v in search.starting_points(case):
             study.enqueue_trial(v.as_dict())
-    # Leaders timed before the templates last changed (their new code is unmeasured), then the leader
-    # with each parameter added since it was measured set to its other values, then other shapes'
-    # leaders at the nearest load, then --probe's points, then (--neighbours) the leader's unmeasured
-    # neighbours; each point once.
-    leader = emit.leader(session, fp.key, case)
-    kinds = {
-        "stale leaders": emit.stale_leaders(session, fp.key, case, max(STALE_RETIME, cfg.retime)),
-        "new-parameter probes": _new_dimension_probes(session, fp, case, leader),
-        "other shapes' leaders": _transfer_probes(session, fp, case),
-        "--probe points": _leader_probes(session, fp, case, leader, cfg.probes, log),
-        "neighbours": _neighbour_probes(session, fp, case, leader) if cfg.neighbours else [],
-    }
+    kinds = _challengers(session, fp, case, cfg, log)
     challengers = [c for points in kinds.values() for c in points]
     challengers = [c for i, c in enumerate(challengers) if c not in challengers[:i]]
     # Points an earlier run queued and did not reach (its time budget ran out) are owed work too, and
@@ -268,23 +261,47 @@ def _tune_case(case, cfg, fp, storage, session, runner, run, ceilings, deadline,
             done += 1
             continue
         result = runner.evaluate(case, source)
-        row = _row(run, name, fp, case, trial, v, digest, result.status, result.error)
-        row.update(compile_s=result.compile_s, experts_touched=result.experts_touched)
-        row.update({k: result.stats.get(k) for k in ("global_rel_l2", "worst_token_rel_l2", "rms_ratio")})
+        row = _measured_row(_row(run, name, fp, case, trial, v, digest, result.status, result.error), case,
+                            result, ceilings)
         if result.status == "ok":
-            t = result.timing
-            row.update(median_ms=t["median_ms"], p10_ms=t["p10_ms"], p90_ms=t["p90_ms"], mean_ms=t["mean_ms"],
-                       std_ms=t["std_ms"], reps=t["reps"], timing_method=t["method"],
-                       samples_ms=list(t["samples_ms"]),
-                       floor_ms=_floor_ms(case, result.experts_touched, ceilings))
-            _tell(study, trial, t["median_ms"], log=log)
+            _tell(study, trial, row["median_ms"], log=log)
         else:
             _tell(study, trial, state=TrialState.FAIL, log=log)
         db.record_trial(session, **row)
         done += 1
         leader = emit.leader(session, fp.key, case)
         log(_progress(case, done, target_trials, v, row, leader))
+    leader = emit.leader(session, fp.key, case)
     return leader.median_ms if leader is not None else math.nan
+
+
+def _challengers(session, fp, case: Case, cfg: TuneConfig, log) -> dict[str, list[dict]]:
+    """This run's points for `case` beyond the sampler's, by kind, in the order they are asked:
+    leaders timed before the templates last changed (their new code is unmeasured), then the leader
+    with each parameter added since it was measured set to its other values, then other shapes'
+    leaders at the nearest load, then --probe's points, then (--neighbours) the leader's unmeasured
+    neighbours."""
+    leader = emit.leader(session, fp.key, case)
+    return {
+        "stale leaders": emit.stale_leaders(session, fp.key, case, max(STALE_RETIME, cfg.retime)),
+        "new-parameter probes": _new_dimension_probes(session, fp, case, leader),
+        "other shapes' leaders": _transfer_probes(session, fp, case),
+        "--probe points": _leader_probes(session, fp, case, leader, cfg.probes, log),
+        "neighbours": _neighbour_probes(session, fp, case, leader) if cfg.neighbours else [],
+    }
+
+
+def _measured_row(row: dict, case: Case, result, ceilings: dict | None) -> dict:
+    """`row` (the trial's, from _row) with what the runner measured: compile time, errors against the
+    reference and, for a variant that passed, its timing and the case's floor."""
+    row.update(compile_s=result.compile_s, experts_touched=result.experts_touched)
+    row.update({k: result.stats.get(k) for k in ("global_rel_l2", "worst_token_rel_l2", "rms_ratio")})
+    if result.status == "ok":
+        t = result.timing
+        row.update(median_ms=t["median_ms"], p10_ms=t["p10_ms"], p90_ms=t["p90_ms"], mean_ms=t["mean_ms"],
+                   std_ms=t["std_ms"], reps=t["reps"], timing_method=t["method"], samples_ms=list(t["samples_ms"]),
+                   floor_ms=_floor_ms(case, result.experts_touched, ceilings))
+    return row
 
 
 def _floor_ms(case: Case, experts_touched: int, ceilings: dict | None) -> float | None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ROUTINGS = ("uniform", "zipf")
-# Zipf exponent of the skewed routing: expert r (by popularity) gets logit bias -s*log(r+1).
+# The skewed routing: expert r (by popularity) gets logit bias -ZIPF_SCALE * ZIPF_EXPONENT * log(r + 1).
+# The scale sharpens the bias against the unit-variance logits; the product is kept as two factors,
+# applied in this order, so the committed studies' zipf routings stay bit for bit what they were.
 ZIPF_EXPONENT = 1.2
+ZIPF_SCALE = 4.0
 SEED16_TOKENS = tuple(2**i for i in range(16))
 
 
@@ -88,19 +91,11 @@ class Case:
     def from_dict(cls, d: dict) -> Case:
         return cls(shape=Shape(**d["shape"]), T=d["T"], routing=d["routing"], seed=d["seed"])
 
-    def with_tokens(self, T: int) -> Case:
-        return replace(self, T=T)
-
 
 def experts_touched(ids_TK: torch.Tensor, E: int) -> int:
     """Distinct ids in [0, E): the experts whose weights a case must read."""
     ids = ids_TK[(ids_TK >= 0) & (ids_TK < E)]
     return int(torch.unique(ids).numel())
-
-
-def expected_experts_touched(shape: Shape, T: int) -> float:
-    """E·(1 − (1 − k/E)^T): experts hit at least once under uniform routing."""
-    return shape.E * (1.0 - (1.0 - shape.k / shape.E) ** T)
 
 
 SEED16_SHAPE = Shape(E=256, H=4096, I=2048, k=8, dtype="bfloat16")
@@ -171,6 +166,6 @@ def make_tokens(case: Case, device, seed_offset: int = 0):
     logits = torch.randn(case.T, s.E, generator=gen, device=device)
     if case.routing == "zipf":
         rank = torch.randperm(s.E, generator=gen, device=device).float()
-        logits = logits - ZIPF_EXPONENT * torch.log1p(rank)[None, :] * 4.0
+        logits = logits - ZIPF_EXPONENT * torch.log1p(rank)[None, :] * ZIPF_SCALE
     w, ids = route(logits, s.k)
     return x, w, ids

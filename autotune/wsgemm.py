@@ -146,19 +146,17 @@ def ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr, GROUP_
     ], [1], [LOADER_REGS])
 
 
-def _shared_layout(block: list[int]):
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-
-
 def launcher(a_MK: torch.Tensor, b_NK: torch.Tensor, c_MN: torch.Tensor, tiles: GluonTiles = TILES):
     """A no-argument launcher of C = A @ B^T into c_MN (bf16, GPU); descriptors are built once, here."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .sm90 import gluon_smem_layout
 
     if not (a_MK.dtype == b_NK.dtype == c_MN.dtype == torch.bfloat16):
         raise TypeError(f"the Gluon GEMM is bf16 only, got {a_MK.dtype}, {b_NK.dtype}, {c_MN.dtype}")
     (M, K), N = a_MK.shape, b_NK.shape[0]
     boxes = ([tiles.block_m, tiles.block_k], [tiles.block_n, tiles.block_k], [tiles.block_m, tiles.block_n])
-    a_desc, b_desc, c_desc = (TensorDescriptor.from_tensor(t, box, _shared_layout(box))
+    a_desc, b_desc, c_desc = (TensorDescriptor.from_tensor(t, box, gluon_smem_layout("bfloat16", box))
                               for t, box in zip((a_MK, b_NK, c_MN), boxes, strict=True))
     n_tiles = -(-M // tiles.block_m) * -(-N // tiles.block_n)
     grid = (min(target.sm_count(), n_tiles),)
@@ -178,6 +176,7 @@ def measure(n: int, reps: int, *, timeout: float = 300) -> dict:
 
 
 def _measure_here(n: int, reps: int) -> dict:
+    from .reference import rel_l2
     from .timing import time_fn
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -187,7 +186,7 @@ def _measure_here(n: int, reps: int) -> dict:
     c_MN = torch.empty_like(c_ref)
     launch = launcher(a_MK, b_NK, c_MN)
     launch()
-    rel = float((c_MN.float() - c_ref.float()).norm() / c_ref.float().norm())
+    rel = rel_l2(c_MN, c_ref)
     return {"rel_l2": rel, "flops_per_s": 2 * n**3 / (time_fn(launch, reps=reps).median_ms * 1e-3)}
 
 
@@ -200,7 +199,7 @@ def compile_report(tiles: GluonTiles = TILES) -> dict:
 
 
 def _compile_here(tiles: dict) -> dict:
-    from .sm90 import _resource_usage, compile_gluon_sm90, gluon_descriptor_type, wgmma_shapes
+    from .sm90 import compile_gluon_sm90, gluon_descriptor_type, resource_usage, wgmma_shapes
 
     t = GluonTiles(**tiles)
     signature = {
@@ -212,7 +211,7 @@ def _compile_here(tiles: dict) -> dict:
     constexprs = {"STAGES": t.stages, "GROUP_M": t.group_m, "LOADER_REGS": t.loader_regs}
     compiled = compile_gluon_sm90(ws_gemm_kernel, signature, constexprs, {}, num_warps=t.consumer_warps)
     ptx = compiled.asm["ptx"]
-    registers, spill = _resource_usage(compiled.asm["cubin"])
+    registers, spill = resource_usage(compiled.asm["cubin"])
     return {
         "shared_bytes": compiled.metadata.shared,
         "smem_limit_bytes": target.HOPPER_SMEM_BYTES,

@@ -1,27 +1,21 @@
 """Benchmark pieces: peers against the reference, the floor's arithmetic, ceilings, report formats.
 
-On a CPU machine the kernels run under the Triton interpreter (set here, before any kernel module is
-imported); tests marked `gpu` need CUDA and time real sizes.
+On a CPU machine the kernels run under the Triton interpreter (conftest sets it); tests marked `gpu`
+need CUDA and time real sizes.
 """
 
-import os
+import dataclasses
+import json
 
+import pytest
 import torch
+from conftest import small_variant
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import json  # noqa: E402
-
-import pytest  # noqa: E402
-from conftest import small_variant  # noqa: E402
-
-from autotune import bench, ceilings, peers, space, target, timing, wsgemm  # noqa: E402
-from autotune.reference import error_stats, moe_reference  # noqa: E402
-from autotune.workloads import DEMO_SHAPE, SEED16_SHAPE, Case, Shape, make_tokens, make_weights  # noqa: E402
+from autotune import bench, ceilings, peers, space, target, timing, wsgemm
+from autotune.reference import error_stats, moe_reference, rel_l2
+from autotune.workloads import DEMO_SHAPE, SEED16_SHAPE, Case, Shape, make_tokens, make_weights
 
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not target.has_gpu(), reason="needs a CUDA GPU (not the interpreter)")
 
 TINY_FP32 = Shape(E=8, H=64, I=32, k=2, dtype="float32")
 # Numbers REFERENCE.md's seed16 table used for its SOL column.
@@ -113,7 +107,8 @@ def test_measure_ceilings():
                                                                   c.triton_gemm_flops_per_s or 0,
                                                                   c.gluon_gemm_flops_per_s or 0)
     assert (c.sustained_matmul_flops_per_s is None) == (not target.has_gpu())  # measured on a GPU only
-    assert json.dumps(c.as_dict())
+    reloaded = ceilings.Ceilings(**json.loads(json.dumps(c.as_dict())))  # as the tuner reads a run's row
+    assert dataclasses.replace(reloaded, notes=tuple(reloaded.notes)) == c
 
 
 def test_gemm_compiles_for_sm90_with_tma_and_wgmma():
@@ -190,7 +185,6 @@ def test_wrong_output_is_flagged_not_timed(tmp_path):
 
 
 @gpu
-@needs_cuda
 def test_gpu_ceilings_and_gemm():
     c = ceilings.measure_ceilings()
     assert c.triton_gemm_flops_per_s is not None, c.notes
@@ -201,7 +195,6 @@ def test_gpu_ceilings_and_gemm():
 
 
 @gpu
-@needs_cuda
 def test_gpu_peers_bf16():
     shape = Shape(E=16, H=512, I=256, k=4, dtype="bfloat16")
     w13, w2 = make_weights(shape, "cuda", seed=0)
@@ -267,7 +260,6 @@ def test_bench_records_the_rows_each_gemm_computes():
 
 
 @gpu
-@needs_cuda
 def test_gpu_kernel_breakdown_names_every_kernel():
     shape = Shape(E=16, H=512, I=256, k=4, dtype="bfloat16")
     w13, w2 = make_weights(shape, "cuda", seed=0)
@@ -314,7 +306,6 @@ def test_the_settle_lasts_its_time_whatever_one_run_takes(monkeypatch, run_ms):
 
 
 @gpu
-@needs_cuda
 def test_gpu_time_fn_sizes_its_replays_past_one_slow_call():
     """A call that waits on the host once after the warm-up (as an emitted module's does while it
     captures its own graph) must not make every replay one call long (NOTES 93)."""
@@ -335,7 +326,6 @@ def test_gpu_time_fn_sizes_its_replays_past_one_slow_call():
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("M, N, K", [(1000, 384, 200), (256, 4096, 4096), (4096, 4096, 1024)])
 def test_gpu_ws_gemm_matches_torch(M, N, K):
     """Partial tiles in M and N (clipped TMA stores) and K (TMA zero fill), one tile per program or
@@ -346,16 +336,17 @@ def test_gpu_ws_gemm_matches_torch(M, N, K):
     c = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     wsgemm.launcher(a, b, c)()
     ref = torch.matmul(a, b.T)
-    assert float((c.float() - ref.float()).norm() / ref.float().norm()) < ceilings.GEMM_REL_L2_BAR
+    assert rel_l2(c, ref) < ceilings.GEMM_REL_L2_BAR
 
 
 def test_sm_clock_sampler_says_nothing_without_a_gpu_and_never_fails():
     """Without a GPU (or nvidia-smi) the sampler records nothing and the block runs as usual."""
     from autotune.timing import SmClockSampler
 
+    ran = []
     with SmClockSampler() as clock:
-        total = sum(range(1000))
-    assert total == 499500
+        ran.append(True)
+    assert ran == [True]
     if not target.has_gpu():
         assert clock.summary() is None
     else:

@@ -10,7 +10,7 @@ from conftest import DEVICE, DTYPES, FORMS, small_variant
 
 from autotune import render, space
 from autotune.reference import BAR, error_stats, moe_reference
-from autotune.runner import _CaseState
+from autotune.runner import CaseState
 from autotune.workloads import Case, Shape, make_tokens, make_weights
 
 # H and I multiples of the layout's 64-column block; T gives most experts a block and a tail.
@@ -136,7 +136,7 @@ def test_a_module_reads_one_layout():
 
 
 def test_trials_of_a_k_blocked_variant_run_on_prepared_copies_made_once(blocked_module):
-    state = _CaseState()
+    state = CaseState()
     state.prepare(Case(SHAPE, 5))
     rows_module = render.load_source(render.render_variant(small_variant(bk=64)))
     assert state.weights_for(rows_module) == (state.weights, state.verify_weights)

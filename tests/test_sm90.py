@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from conftest import small_variant
 
-from autotune import sm90, space
+from autotune import sm90, space, target
 from autotune.workloads import SEED16_SHAPE, Case
 
 
@@ -19,8 +19,8 @@ def test_large_tile_gemms_use_wgmma_and_fit_shared_memory():
     assert [r.name for r in reports] == ["_gemm1_gather_swiglu_tma", "_gemm2_weighted_tma"]
     for r in reports:
         assert r.wgmma > 0 and r.tma_copies > 0
-        assert 0 < r.shared_bytes <= 227 * 1024
-        assert r.spill_bytes in (0, None)
+        assert 0 < r.shared_bytes <= target.HOPPER_SMEM_BYTES
+        assert r.spill_bytes == 0
 
 
 def test_the_accumulator_rule_matches_the_compiler():
@@ -29,7 +29,7 @@ def test_the_accumulator_rule_matches_the_compiler():
     v = small_variant(block_m=128, bn=128, bk=64)  # 4 warps: 2 x 128 x 128 accumulators / 128 threads
     assert any("accumulators per thread" in r for r in space.violations(v, case))
     gemm1 = sm90.gemm_reports(v, case)[0]
-    assert gemm1.spill_bytes is None or gemm1.spill_bytes > 0
+    assert gemm1.spill_bytes > 0
 
 
 def _gluon_report(v, case, which: int):
@@ -37,8 +37,8 @@ def _gluon_report(v, case, which: int):
     rules accept it (bar needing a GPU), and it fits shared memory without spilling."""
     assert [r for r in space.violations(v, case) if "need a GPU" not in r] == []
     report = sm90.gemm_reports(v, case)[which - 1]
-    assert report.spill_bytes in (0, None)
-    assert 0 < report.shared_bytes <= 227 * 1024
+    assert report.spill_bytes == 0
+    assert 0 < report.shared_bytes <= target.HOPPER_SMEM_BYTES
     return report
 
 
@@ -145,8 +145,8 @@ def test_pair_tiles_compile_without_spills():
     assert not space.violations(v, case)
     unpaired = sm90.gemm_reports(dataclasses.replace(v, g1_pair_tail=False, g2_pair_tail=False), case)
     for pair, plain in zip(sm90.gemm_reports(v, case), unpaired, strict=True):
-        assert pair.spill_bytes in (0, None), pair
-        assert pair.shared_bytes > plain.shared_bytes and pair.shared_bytes <= 227 * 1024
+        assert pair.spill_bytes == 0, pair
+        assert pair.shared_bytes > plain.shared_bytes and pair.shared_bytes <= target.HOPPER_SMEM_BYTES
     assert any("needs half_tail" in r for r in space.violations(dataclasses.replace(v, half_tail=False), case))
 
 
@@ -183,7 +183,7 @@ def test_swapped_tails_are_wgmma_without_spills(swap):
     assert not space.violations(v, case) and f" pair swap{swap} g2 " in v.label
     paired = sm90.gemm_reports(dataclasses.replace(v, g1_swap_tail=0, g2_swap_tail=0), case)
     for swapped, pair in zip(sm90.gemm_reports(v, case), paired, strict=True):
-        assert swapped.spill_bytes in (0, None), swapped
+        assert swapped.spill_bytes == 0, swapped
         assert any(s.startswith("m64n") and s[4:].split("k")[0] == str(swap) for s in swapped.wgmma_shapes), swapped
         assert swapped.shared_bytes == pair.shared_bytes  # the tail's rows fit in the half tail's stages
     assert any("needs g1_pair_tail" in r for r in space.violations(dataclasses.replace(v, g1_pair_tail=False), case))
@@ -201,7 +201,7 @@ def test_k_blocked_weights_compile_to_the_same_kernels(gluon):
     k64 = dataclasses.replace(v, weight_layout="k64")
     assert [r for r in space.violations(k64, case) if "need a GPU" not in r] == []
     for rows, blocked in zip(sm90.gemm_reports(v, case), sm90.gemm_reports(k64, case), strict=True):
-        assert blocked.spill_bytes in (0, None)
+        assert blocked.spill_bytes == 0
         assert (blocked.name, blocked.shared_bytes, blocked.tma_copies, blocked.wgmma_shapes) == \
             (rows.name, rows.shared_bytes, rows.tma_copies, rows.wgmma_shapes)
 
@@ -223,7 +223,7 @@ def test_expert_groups_compile_to_the_same_tiles(gluon1, half):
         plain = _gluon_report(v, case, which) if (which == 2 or gluon1) else sm90.gemm_reports(v, case)[0]
         ours = _gluon_report(grouped, case, which) if (which == 2 or gluon1) else sm90.gemm_reports(grouped, case)[0]
         assert ours.name == plain.name and ours.wgmma_shapes == plain.wgmma_shapes
-        assert ours.shared_bytes == plain.shared_bytes and ours.spill_bytes in (0, None)
+        assert ours.shared_bytes == plain.shared_bytes and ours.spill_bytes == 0
 
 
 @pytest.mark.parametrize("v", [

@@ -35,12 +35,14 @@ def test_ab_times_the_leader_then_each_new_accepted_variant(capsys):
     assert "g1_tma_store=True: rejected" in capsys.readouterr().out
 
 
-def test_ab_rotates_the_turns_over_the_rounds():
-    """Every variant takes every turn equally often over len(names) rounds: no fixed second place."""
+def test_interleaved_rounds_rotate_the_turns():
+    """Every party takes every turn equally often over len(names) rounds: no fixed second place."""
+    from autotune.timing import turns
+
     names = ["leader", "a", "b"]
-    orders = [ab.turns(names, r) for r in range(6)]
+    orders = [turns(names, r) for r in range(6)]
     assert orders[:3] == [["leader", "a", "b"], ["a", "b", "leader"], ["b", "leader", "a"]] and orders[3] == names
-    assert all(sorted(o) == sorted(names) for o in orders) and ab.turns([], 2) == []
+    assert all(sorted(o) == sorted(names) for o in orders) and turns([], 2) == []
 
 
 @pytest.mark.skipif(ab.target.has_gpu(), reason="it times on this GPU instead")
@@ -61,12 +63,12 @@ def test_methods_times_each_module_four_ways_after_checking_it(capsys):
     import torch
 
     from autotune import render
-    from autotune.runner import _CaseState
+    from autotune.runner import CaseState
     from autotune.workloads import Shape
 
     case = Case(Shape(4, 64, 64, 2, "float16"), 5)
     module = render.load_source(render.render_variant(dataclasses.replace(small_variant(bk=64), weight_layout="k64")))
-    state = _CaseState()
+    state = CaseState()
     runs = methods.calls(state, module, case)
     assert list(runs) == [name for name, _, _ in methods.METHODS]
     assert [settle for _, settle in runs.values()] == [methods.SETTLE_MS, 0.0, 0.0, methods.SETTLE_MS]
@@ -132,6 +134,12 @@ def test_balanced_routing_gives_every_expert_its_share_and_each_token_distinct_e
 def test_padding_refuses_to_run_without_a_gpu(capsys):
     assert padding.main(["8192"]) == 1
     assert "GPU" in capsys.readouterr().out
+
+
+def test_padding_without_token_counts_prints_its_usage(capsys):
+    """Before any GPU work, wherever it runs: no T list is a usage error, not an IndexError."""
+    assert padding.main([]) == 2
+    assert "Balanced routing" in capsys.readouterr().out
 
 
 host = _tool("host")
@@ -381,3 +389,4 @@ def test_dram_refuses_to_run_without_a_gpu_and_needs_its_tokens(capsys):
 def test_dram_profiles_the_committed_h200_module_where_this_machine_has_none():
     assert dram.default_module().name == "h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
     assert dram.default_module().exists()
+

@@ -28,10 +28,10 @@ import torch
 from sqlalchemy.orm import Session
 
 from autotune import db, emit, render, space, target
-from autotune.reference import BAR, error_stats
-from autotune.runner import _CaseState
+from autotune.reference import BAR
+from autotune.runner import CaseState
 from autotune.space import Variant
-from autotune.timing import SETTLE_MS, kernel_breakdown, time_fn
+from autotune.timing import SETTLE_MS, kernel_breakdown, time_fn, turns
 from autotune.workloads import SEED16_SHAPE, Case, suite
 
 
@@ -48,18 +48,9 @@ def candidates(lead: Variant, case: Case, assignments: list[str]) -> list[tuple[
     return out
 
 
-def turns(names: list[str], r: int) -> list[str]:
-    """The order the variants take in round r: the list rotated by r, so that over the rounds each
-    variant takes each turn alike. Under the power cap the turn can move a time by itself (NOTES 76:
-    at T=8192 the order of the parties moved them more than their kernels did), and a fixed order
-    would charge that to whichever variant always came second."""
-    r %= max(len(names), 1)
-    return names[r:] + names[:r]
-
-
 def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown: bool, eager: bool = False,
             settle_ms: float = SETTLE_MS) -> None:
-    state = _CaseState()
+    state = CaseState()
     state.prepare(case)
     runs = []
     save = Path(os.environ["MODULES"]) if os.environ.get("MODULES") else None
@@ -68,10 +59,8 @@ def compare(case: Case, cands: list[tuple[str, Variant]], rounds: int, breakdown
     for i, (name, v) in enumerate(cands):
         source = render.render_variant(v)
         module = render.load_source(source)
-        weights, verify_weights = state.weights_for(module)
-        x, w, ids = state.verify_tokens
-        out = module.fused_experts(x, *verify_weights, w, ids)
-        failures = error_stats(out, state.reference).failures(BAR)
+        weights, stats, _ = state.verify(module)
+        failures = stats.failures(BAR)
         if failures:
             print(f"T={case.T} {v.label}: fails the bar ({'; '.join(failures)}), not timed")
             continue

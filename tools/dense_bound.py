@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from autotune import bench, ceilings, emit, render, target, wsgemm
-from autotune.reference import moe_reference
-from autotune.timing import SETTLE_MS, SmClockSampler, kernel_breakdown, time_fn
+from autotune.reference import moe_reference, rel_l2
+from autotune.timing import SETTLE_MS, SmClockSampler, kernel_breakdown, time_fn, turns
 from autotune.workloads import SEED16_SHAPE, experts_touched, make_tokens, make_weights, suite
 
 
@@ -81,10 +81,10 @@ def _settled(calls: dict, rounds: int) -> dict:
     capped state, none favoured by its turn. Per party: the rounds' medians, the SM clock at the end of
     each round and the board's median power in each."""
     res = {name: {"settled_ms": [], "settled_sm_clock_last": [], "settled_power_w": []} for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
+    for r in range(rounds):
+        for name in turns(list(calls), r):
             with SmClockSampler() as clock:
-                res[name]["settled_ms"].append(time_fn(call, reps=10, settle_ms=SETTLE_MS).median_ms)
+                res[name]["settled_ms"].append(time_fn(calls[name], reps=10, settle_ms=SETTLE_MS).median_ms)
             res[name]["settled_sm_clock_last"].append((clock.summary() or {}).get("last"))
             res[name]["settled_power_w"].append((clock.power_summary() or {}).get("median"))
     return res
@@ -100,7 +100,7 @@ def _chains(case, w13, w2, x) -> tuple[dict, dict]:
         try:
             call, g = dense_chain(rows, w13[0], act, w2[0], gemm)
             call()
-            rel = float((g.float() - ref.float()).norm() / ref.float().norm())
+            rel = rel_l2(g, ref)
             if rel <= ceilings.GEMM_REL_L2_BAR:
                 calls[name] = call
             else:

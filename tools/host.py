@@ -13,9 +13,9 @@ queue runs ahead and eager calls cost what the graph's do. Each of the module's 
 its own graph replays for few tokens (`_GRAPH_MAX_TOKENS`, NOTES 67), its planned launches (NOTES 66;
 `_GRAPH_MAX_TOKENS = 0`) and triton's own launches (`_FAST_LAUNCH = False` too), host rounds
 interleaved. The device timings come after the tuner's settle (timing.SETTLE_MS), the modes (the
-caller's graph, then each eager path) in order and reversed in turn: the first timing of a process
-runs at a higher clock than the later ones (NOTES 54), so a fixed order favours whichever mode goes
-first. Each mode's figure is the median of its rounds' medians. MODULE defaults to this GPU's
+caller's graph, then each eager path) in an order that rotates each round (timing.turns): the first
+timing of a process runs at a higher clock than the later ones (NOTES 54), so a fixed order favours
+whichever mode goes first. Each mode's figure is the median of its rounds' medians. MODULE defaults to this GPU's
 emitted seed16 module, the shape to seed16's (bf16).
 """
 
@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 from autotune import emit, render, target
-from autotune.timing import SETTLE_MS, time_fn
+from autotune.timing import SETTLE_MS, time_fn, turns
 from autotune.workloads import SEED16_SHAPE, make_tokens, make_weights, parse_shape, suite
 
 HOST_CALLS = 50
 HOST_ROUNDS = 5
-ROUNDS = 4  # the modes in order, then reversed, and so on
+ROUNDS = 4  # each mode takes each turn once with up to four modes
 
 
 def eager_paths(module) -> dict[str, tuple[bool, int]]:
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
             modes = [None, *paths]  # None: the whole call as the caller's CUDA graph
             times = {m: [] for m in modes}
             for r in range(ROUNDS):
-                for m in modes if r % 2 == 0 else modes[::-1]:
+                for m in turns(modes, r):
                     set_path(module, own if m is None else paths[m])
                     times[m].append(time_fn(call, graph=m is None, settle_ms=SETTLE_MS).median_ms * 1e3)
             us = {m: statistics.median(v) for m, v in times.items()}

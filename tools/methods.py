@@ -1,7 +1,7 @@
 """Does a module's time at T depend on how it is timed? Emitted modules timed, in one process, the way
 the tuner times a trial (into a buffer passed as out=, after SETTLE_MS of untimed load) and the way
 `moe-tune bench` times a case (allocating its output, unsettled), in interleaved rounds whose order
-rotates (tools/ab.py's turns), each output checked against the fp32 reference first.
+rotates (timing.turns), each output checked against the fp32 reference first.
 
     python tools/methods.py 1,2 kernels_generated/h200_sm90_e256_h4096_i2048_k8_bfloat16.py [other.py ...]
 
@@ -19,27 +19,23 @@ from pathlib import Path
 import torch
 
 from autotune import render, target
-from autotune.reference import BAR, error_stats
-from autotune.runner import _CaseState
-from autotune.timing import SETTLE_MS, time_fn
+from autotune.reference import BAR
+from autotune.runner import CaseState
+from autotune.timing import SETTLE_MS, time_fn, turns
 from autotune.workloads import SEED16_SHAPE, Case, suite
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab import turns  # noqa: E402
 
 # (name, pass out=, settle ms): the tuner's way and the bench's, and the two mixed, to tell which part moves.
 METHODS = (("tuner", True, SETTLE_MS), ("bench", False, 0.0), ("out=, unsettled", True, 0.0),
            ("alloc, settled", False, SETTLE_MS))
 
 
-def calls(state: _CaseState, module, case: Case) -> dict[str, tuple]:
+def calls(state: CaseState, module, case: Case) -> dict[str, tuple]:
     """Each method's (call, settle ms) on the case's timed tokens and weights as `module` reads them
     (`state`, the runner's: one prepared copy shared by every module of a layout), its output checked
     first as the tuner checks a trial; {} if it fails."""
     state.prepare(case)
-    weights, verify_weights = state.weights_for(module)
-    x, w, ids = state.verify_tokens
-    failures = error_stats(module.fused_experts(x, *verify_weights, w, ids), state.reference).failures(BAR)
+    weights, stats, _ = state.verify(module)
+    failures = stats.failures(BAR)
     if failures:
         print(f"T={case.T} {module.__name__}: fails the bar ({'; '.join(failures)}), not timed")
         return {}
@@ -59,7 +55,7 @@ def main(argv: list[str]) -> int:
         return 1
     tokens, paths = [int(t) for t in argv[0].split(",")], argv[1:]
     rounds = int(os.environ.get("ROUNDS", 3))
-    state = _CaseState()
+    state = CaseState()
     modules = [render.load_path(p, f"methods_{i}") for i, p in enumerate(paths)]
     for T in tokens:
         case = suite(SEED16_SHAPE, [T])[0]  # the routing seed the tuner and the bench use

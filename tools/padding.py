@@ -7,8 +7,8 @@ Balanced routing gives every expert exactly T*k/E slots (token t takes experts t
 mod E: k distinct experts per token), so where T*k/E is a multiple of the variant's block (or half
 of it, with half tails) no row block is padded; each line says how many rows the sorted route's
 GEMM1 / GEMM2 compute per slot (space.rows_computed). The two routings are timed in interleaved
-rounds (CUDA-graph replays, each after the tuner's settle), then each call's kernels are profiled
-once. The ratio bounds what any cut of the padding can buy at that T. MODULE defaults to this GPU's
+rounds whose order rotates (CUDA-graph replays, each after the tuner's settle), then each call's
+kernels are profiled once. The ratio bounds what any cut of the padding can buy at that T. MODULE defaults to this GPU's
 emitted seed16 module; ROUNDS sets the rounds (default 5).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from autotune import emit, render, space, target
-from autotune.timing import SETTLE_MS, kernel_breakdown, time_fn
+from autotune.timing import SETTLE_MS, kernel_breakdown, time_fn, turns
 from autotune.workloads import SEED16_SHAPE, make_tokens, make_weights, suite
 
 
@@ -34,9 +34,9 @@ def balanced_ids(T: int, k: int, E: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] in (["-h"], ["--help"]):
+    if argv[:1] in (["-h"], ["--help"]) or not argv:
         print(__doc__)
-        return 0
+        return 0 if argv else 2
     if not target.has_gpu():
         print("tools/padding.py times on the GPU; there is none here")
         return 1
@@ -51,9 +51,9 @@ def main(argv: list[str]) -> int:
         calls = {name: functools.partial(module.fused_experts, x, w13, w2, w, r, out=out)
                  for name, r in routings.items()}
         samples = {name: [] for name in calls}
-        for _ in range(rounds):
-            for name, call in calls.items():
-                samples[name].append(time_fn(call, reps=5, settle_ms=SETTLE_MS).median_ms)
+        for r in range(rounds):
+            for name in turns(list(calls), r):
+                samples[name].append(time_fn(calls[name], reps=5, settle_ms=SETTLE_MS).median_ms)
         base = statistics.median(samples["suite"])
         row = module.select_variant(T)
         form = f"M{row.block_m}{'/half' if getattr(row, 'half_tail', False) else ''}"

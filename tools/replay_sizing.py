@@ -15,10 +15,10 @@ import math
 import os
 import sys
 
-from autotune import bench, ceilings, render, timing
+from autotune import bench, ceilings, db, emit, render, timing
 from autotune.workloads import SEED16_SHAPE, Case, parse_shape
 
-SEED16_MODULE = "kernels_generated/h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
+SEED16_MODULE = emit.module_path(db.COMMITTED_FINGERPRINT, SEED16_SHAPE.key)
 ROUNDS = ("least of 3", "first", "least of 3 again", "first again")
 
 
