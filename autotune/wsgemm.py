@@ -60,7 +60,7 @@ TILES = GluonTiles()
 
 
 @gluon.jit
-def _tile_offsets(tile, num_pid_m, num_pid_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+def tile_offsets(tile, num_pid_m, num_pid_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
     """Grouped tile order: GROUP_M row tiles share each column of B while it is in L2."""
     in_group = GROUP_M * num_pid_n
     first_m = (tile // in_group) * GROUP_M
@@ -69,7 +69,7 @@ def _tile_offsets(tile, num_pid_m, num_pid_n, BM: gl.constexpr, BN: gl.constexpr
 
 
 @gluon.jit
-def _walk(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+def walk(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
     """This program's share of the persistent walk, the same in both partitions: (first tile, stride,
     row tiles, column tiles, k-steps per tile, tiles of this program)."""
     pid, nprog = gl.program_id(0), gl.num_programs(0)
@@ -81,9 +81,9 @@ def _walk(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Every TMA copy of this program's tiles, in order; step i of the program goes to stage i % STAGES."""
-    pid, nprog, num_pid_m, num_pid_n, k_steps, my_tiles = _walk(M, N, K, BM, BN, BK)
+    pid, nprog, num_pid_m, num_pid_n, k_steps, my_tiles = walk(M, N, K, BM, BN, BK)
     for j in range(my_tiles):
-        off_m, off_n = _tile_offsets(pid + j * nprog, num_pid_m, num_pid_n, BM, BN, GROUP_M)
+        off_m, off_n = tile_offsets(pid + j * nprog, num_pid_m, num_pid_n, BM, BN, GROUP_M)
         for kk in range(k_steps):
             step = j * k_steps + kk
             s = step % STAGES
@@ -101,9 +101,9 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WARPS: gl.c
     issued; then the tile goes out by TMA store, which completes while the next tile runs."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BN, 16])
-    pid, nprog, num_pid_m, num_pid_n, k_steps, my_tiles = _walk(M, N, K, BM, BN, BK)
+    pid, nprog, num_pid_m, num_pid_n, k_steps, my_tiles = walk(M, N, K, BM, BN, BK)
     for j in range(my_tiles):
-        off_m, off_n = _tile_offsets(pid + j * nprog, num_pid_m, num_pid_n, BM, BN, GROUP_M)
+        off_m, off_n = tile_offsets(pid + j * nprog, num_pid_m, num_pid_n, BM, BN, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
         for kk in range(k_steps):
             step = j * k_steps + kk

@@ -1,5 +1,5 @@
-"""tools/ab.py, methods.py, replay_sizing.py, same_ptx.py, padding.py, host.py, weight_stream.py, dram.py
-and lent_gpu.sh, as far as they run without a GPU."""
+"""tools/ab.py, methods.py, replay_sizing.py, same_ptx.py, padding.py, host.py, weight_stream.py, dram.py,
+twin_gemm.py and lent_gpu.sh, as far as they run without a GPU."""
 
 import gzip
 import importlib.util
@@ -390,3 +390,23 @@ def test_dram_profiles_the_committed_h200_module_where_this_machine_has_none():
     assert dram.default_module().name == "h200_sm90_e256_h4096_i2048_k8_bfloat16.py"
     assert dram.default_module().exists()
 
+
+twin_gemm = _tool("twin_gemm")
+
+
+def test_twin_gemm_forms_compile_for_sm90_with_one_or_two_weight_boxes_a_stage():
+    """Compiled here for sm_90: each consumer issues one wgmma per k16 step over its 64 rows and the
+    full tile width, nothing spills, the ring fits Hopper's shared memory, and the own-B form's loader
+    issues one more TMA copy a stage (its second B box) than the one-box form's."""
+    reports = {form.b_copies: twin_gemm.compile_report(form) for form in twin_gemm.FORMS
+               if form.block_n == 128 and form.b_copies}
+    for r in reports.values():
+        assert r["wgmma_shapes"] == ["m64n128k16"] and r["spill_bytes"] == 0
+        assert 0 < r["shared_bytes"] <= twin_gemm.target.HOPPER_SMEM_BYTES
+    assert reports[2]["tma_loads"] == reports[1]["tma_loads"] + 1
+
+
+@pytest.mark.skipif(twin_gemm.target.has_gpu(), reason="it times on this GPU instead")
+def test_twin_gemm_refuses_to_time_without_a_gpu(capsys):
+    assert twin_gemm.main([]) == 1
+    assert "--compile" in capsys.readouterr().out
