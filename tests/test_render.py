@@ -32,7 +32,11 @@ def every_form_module() -> str:
                   # Dynamic walks beside the static ones above, with half tails (GEMM2's longest launch).
                   dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
                                       g2_num_warps=8, g1_gluon=True, g2_gluon=True, dynamic_walk=True,
-                                      half_tail=True)):
+                                      half_tail=True),
+                  # Gluon GEMM1 pair tiles, in a module whose fused-dispatch Gluon GEMM1 (above) shares
+                  # their consumer partition but never pairs.
+                  dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
+                                      g1_gluon=True, dynamic_walk=True, half_tail=True, g1_pair_tail=True)):
         rows.append(render.Row(2 ** len(rows), gluon))
     # Swapped tails beside pairs, on pointer rows and TMA rows (the TMA row box of 32 rows).
     for form, swap in ((("fused", "fused", False, False), 16), (("split", "fused", True, True), 32)):
@@ -120,8 +124,9 @@ def test_zipf_routing_is_skewed():
 def test_every_form_module_loads_with_each_rows_flags():
     """The variant table carries every flag its launcher reads (a missing field only fails at launch)."""
     module = render.load_source(every_form_module())
-    assert [row.dynamic_walk for row in module.VARIANTS][-4:-2] == [False, True]
-    assert module.VARIANTS[-3].g1_gluon and module.VARIANTS[-3].g2_gluon
+    assert [row.dynamic_walk for row in module.VARIANTS][-5:-2] == [False, True, True]
+    assert module.VARIANTS[-4].g1_gluon and module.VARIANTS[-4].g2_gluon
+    assert module.VARIANTS[-3].g1_gluon and module.VARIANTS[-3].g1_pair_tail
     assert [row.g1_swap_tail for row in module.VARIANTS][-3:] == [0, 16, 32]
 
 
