@@ -16,6 +16,9 @@ from autotune.workloads import Case, Shape, make_tokens
 
 def every_form_module() -> str:
     rows = [render.Row(2**i, small_variant(*form)) for i, form in enumerate(FORMS)]
+    # Groups within experts beside FORMS' tail walks (dispatch's signatures take both flags).
+    rows.append(render.Row(2 ** len(rows), dataclasses.replace(small_variant("split", tma=True, persistent=True),
+                                                               group_by_expert=True)))
     # The Gluon GEMMs only render here (they have no interpreter to run under).
     for gluon in (dataclasses.replace(small_variant(tma=True, persistent=True, block_m=64), g2_gluon=True,
                                       g2_sorted_out=True),
@@ -71,6 +74,19 @@ def test_gluon_half_dynamic_module_passes_ruff(tmp_path):
     v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
                             g2_num_warps=8, g1_gluon=True, g2_gluon=True, dynamic_walk=True, half_tail=True)
     path = tmp_path / "half_dynamic.py"
+    path.write_text(render.render_variant(v))
+    result = _ruff(path)
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
+@pytest.mark.parametrize("gluon", ["g1_gluon", "g2_gluon"])
+def test_one_gluon_gemm_with_the_dynamic_walk_passes_ruff(tmp_path, gluon):
+    """The dynamic walk's counter arguments are set up only for the Gluon GEMMs a module has (the
+    other's once rendered as an unused local)."""
+    v = dataclasses.replace(small_variant("split", tma=True, persistent=True, block_m=128), g1_num_warps=8,
+                            g2_num_warps=8, dynamic_walk=True, **{gluon: True})
+    path = tmp_path / "one_gluon.py"
     path.write_text(render.render_variant(v))
     result = _ruff(path)
     assert result.returncode == 0, result.stdout
