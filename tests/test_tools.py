@@ -251,6 +251,7 @@ def test_weight_stream_refuses_to_run_without_a_gpu(capsys):
 
 _LENDER_FILE_LIMIT = 16 * 2**20  # the most a lent GPU machine brings back of one file under $OUT
 _MODULE = "kernels_generated/h200_sm90_e256_h4096_i2048_k8_bfloat16"
+_QWEN3_MODULE = "kernels_generated/h200_sm90_e128_h2048_i768_k8_bfloat16"
 
 
 def _stub_machine(tmp_path: Path) -> tuple[Path, dict]:
@@ -272,9 +273,10 @@ def _stub_machine(tmp_path: Path) -> tuple[Path, dict]:
 shift; code=$1; shift
 case "$code" in *autotune.cli*) ;; *) exit 0 ;; esac
 echo "$*" >> {tmp_path}/calls
+case "$*" in *"--shape 128,2048,768,8"*) module={_QWEN3_MODULE} ;; *) module={_MODULE} ;; esac
 case "$1" in
-  emit) echo module > {_MODULE}.py ;;
-  bench) echo '{{}}' > {_MODULE}.bench.json; echo png > {_MODULE}.bench.png ;;
+  emit) echo module > $module.py ;;
+  bench) echo '{{}}' > $module.bench.json; echo png > $module.bench.png ;;
 esac
 """,
     }
@@ -328,6 +330,25 @@ def test_lent_gpu_skips_a_sweep_of_no_seconds_and_benches_skew_on_request(tmp_pa
     assert [c.split()[0] for c in calls] == ["tune", "show", "emit", "bench", "check", "bench"]
     assert calls[0].startswith("tune --routing zipf --tokens 128,256 ")
     assert calls[-1] == f"bench --routing zipf --json {tmp_path / 'out' / 'skew' / 'committed.zipf.bench.json'}"
+
+
+@pytest.mark.skipif(not (shutil.which("bash") and shutil.which("gzip")), reason="needs bash and gzip")
+def test_lent_gpu_qwen3_retimes_reemits_and_benches_the_second_committed_module(tmp_path):
+    """A landing that changes every variant's source must bring the Qwen3 module too: its eight cases'
+    leaders re-timed, then emit, bench and check on its shape, and all of it brought back."""
+    repo, env = _stub_machine(tmp_path)
+    done = subprocess.run(["bash", str(repo / "tools" / "lent_gpu.sh"), "qwen3"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["tune", "emit", "bench", "check"]
+    assert all("--shape 128,2048,768,8 --tokens 1,4,16,64,256,1024,4096,16384" in c for c in calls)
+    assert "--more 0 --retime 1" in calls[0]
+    assert "--hot-routing" not in calls[1]  # committed without routing-adaptive rows
+    out = tmp_path / "out"
+    assert (out / "db" / "moe_tune.sqlite3.gz").exists()
+    name = Path(_QWEN3_MODULE).name
+    assert {p.name for p in (out / "km").iterdir()} == {f"{name}.py", f"{name}.bench.json", f"{name}.bench.png"}
 
 
 @pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
