@@ -95,11 +95,14 @@ def test_one_gluon_gemm_with_the_dynamic_walk_passes_ruff(tmp_path, gluon):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed")
-def test_sampled_mixes_of_runnable_variants_pass_ruff(tmp_path, monkeypatch):
+@pytest.mark.parametrize("shape", [SEED16_SHAPE, Shape(E=128, H=2880, I=2880, k=4, dtype="bfloat16")],
+                         ids=["seed16", "gpt-oss-120b"])
+def test_sampled_mixes_of_runnable_variants_pass_ruff(tmp_path, monkeypatch, shape):
     """emit renders modules that mix leaders no trial module held together (a gathering Gluon GEMM1
     beside a paired one once passed an undefined name, tail walks beside expert groups made over-long
-    lines). Mixes of seed16 variants the space accepts, sampled at random, Gluon forms included
-    (rendering needs no GPU), must pass ruff as a one-variant module does."""
+    lines). Mixes of variants the space accepts on two shapes, sampled at random, Gluon forms included
+    (rendering needs no GPU), must pass ruff as a one-variant module does (the second shape's sample
+    found a Gluon GEMM2 launch with half tails alone 122 columns wide)."""
     import optuna
 
     target.smem_bytes()  # sized before the GPU check is faked (on a CPU: Hopper's)
@@ -108,7 +111,7 @@ def test_sampled_mixes_of_runnable_variants_pass_ruff(tmp_path, monkeypatch):
     pool = {"rows": [], "k64": []}
     rng = random.Random(0)
     for T in (1, 4, 64, 512, 4096, 16384):
-        case = Case(SEED16_SHAPE, T)
+        case = Case(shape, T)
         study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=T))
         sampled = (search.suggest(study.ask(), case) for _ in range(1000))
         for v in itertools.islice((v for v in sampled if not space.violations(v, case)), 20):
