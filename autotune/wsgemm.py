@@ -78,6 +78,19 @@ def walk(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The ring's barriers, one of each per stage: `ready` (the loader's TMA bytes have landed) and
+    `empty` (each of the CONSUMERS partitions has released the stage); fenced for the async proxy."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+    return ready, empty
+
+
+@gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """Every TMA copy of this program's tiles, in order; step i of the program goes to stage i % STAGES."""
@@ -134,12 +147,7 @@ def ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr, GROUP_
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, BN], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    fence_async_shared()
+    ready, empty = ring_barriers(STAGES, 1)
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WARPS, BM, BN, BK, STAGES, GROUP_M)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BM, BN, BK, STAGES, GROUP_M)),

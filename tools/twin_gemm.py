@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from autotune import ceilings, sm90, target, wsgemm
 from autotune.reference import rel_l2
 from autotune.timing import SETTLE_MS, time_fn, turns
-from autotune.wsgemm import tile_offsets, walk
+from autotune.wsgemm import ring_barriers, tile_offsets, walk
 
 HALF_M = 64  # one warpgroup's rows: wgmma's M
 BLOCK_K = 64
@@ -133,12 +133,7 @@ def twin_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, STAGES: gl.constexpr, GROU
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [B_COPIES * STAGES, BN, BK], b_desc.layout)
     c0 = gl.allocate_shared_memory(c_desc.dtype, [HM, BN], c_desc.layout)
     c1 = gl.allocate_shared_memory(c_desc.dtype, [HM, BN], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    fence_async_shared()
+    ready, empty = ring_barriers(STAGES, 2)
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c0, M, N, K, BN, BK, STAGES, GROUP_M, B_COPIES, 0)),
         (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c1, M, N, K, BN, BK, STAGES, GROUP_M, B_COPIES, 1)),
