@@ -118,21 +118,39 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WARPS: gl.c
     for j in range(my_tiles):
         off_m, off_n = tile_offsets(pid + j * nprog, num_pid_m, num_pid_n, BM, BN, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
-        for kk in range(k_steps):
-            step = j * k_steps + kk
-            s = step % STAGES
-            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
-                                is_async=True)
-            acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=kk > 0)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((j * k_steps + k_steps - 1) % STAGES))
-        tma.store_wait(0)  # the previous tile's store has left c_smem
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        acc = consume_tile(a_bufs, b_bufs, ready, empty, acc, j, k_steps, STAGES, 1, 0, 1, 0)
+        store_tile(acc, c_desc, c_smem, off_m, off_n)
     tma.store_wait(0)
+
+
+@gluon.jit
+def consume_tile(a_bufs, b_bufs, ready, empty, acc, j, k_steps, STAGES: gl.constexpr, A_STEP: gl.constexpr,
+                 A_AT: gl.constexpr, B_STEP: gl.constexpr, B_AT: gl.constexpr):
+    """The main loop of this program's j-th tile: at each k-step, wgmma on the stage's A box
+    A_STEP * stage + A_AT and B box B_STEP * stage + B_AT (one box a stage: 1, 0), one group in flight,
+    each stage handed back as soon as the next group is issued. Returns the accumulator."""
+    for kk in range(k_steps):
+        step = j * k_steps + kk
+        s = step % STAGES
+        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        a = a_bufs.index(A_STEP * s + A_AT)
+        b = b_bufs.index(B_STEP * s + B_AT)
+        acc = warpgroup_mma(a, b.permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=kk > 0)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((j * k_steps + k_steps - 1) % STAGES))
+    return acc
+
+
+@gluon.jit
+def store_tile(acc, c_desc, c_smem, off_m, off_n):
+    """The tile out through c_smem by TMA store, left in flight (the caller waits before its last
+    return); the previous tile's store must have left c_smem first."""
+    tma.store_wait(0)
+    c_smem.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
 
 
 @gluon.jit

@@ -30,18 +30,12 @@ from typing import NamedTuple
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from autotune import ceilings, sm90, target, wsgemm
 from autotune.reference import rel_l2
 from autotune.timing import SETTLE_MS, time_fn, turns
-from autotune.wsgemm import ring_barriers, tile_offsets, walk
+from autotune.wsgemm import consume_tile, ring_barriers, store_tile, tile_offsets, walk
 
 HALF_M = 64  # one warpgroup's rows: wgmma's M
 BLOCK_K = 64
@@ -102,21 +96,9 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, BN: gl.cons
     for j in range(my_tiles):
         off_m, off_n = tile_offsets(pid + j * nprog, num_pid_m, num_pid_n, 2 * HM, BN, GROUP_M)
         acc = gl.zeros([HM, BN], gl.float32, layout=acc_layout)
-        for kk in range(k_steps):
-            step = j * k_steps + kk
-            s = step % STAGES
-            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            a = a_bufs.index(2 * s + HALF)
-            b = b_bufs.index(B_COPIES * s + HALF % B_COPIES)
-            acc = warpgroup_mma(a, b.permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
-            acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=kk > 0)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((j * k_steps + k_steps - 1) % STAGES))
-        tma.store_wait(0)  # the previous tile's store has left c_smem
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m + HALF * HM, off_n], c_smem)
+        acc = consume_tile(a_bufs, b_bufs, ready, empty, acc, j, k_steps, STAGES, 2, HALF, B_COPIES,
+                           HALF % B_COPIES)
+        store_tile(acc, c_desc, c_smem, off_m + HALF * HM, off_n)
     tma.store_wait(0)
 
 
